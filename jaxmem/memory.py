@@ -1,0 +1,335 @@
+"""The symbolic memory model: buffers, live ranges and the peak, over all shapes at once.
+
+XLA's accounting of an executable is ``argument + output - alias + temp``. The
+first three are sums over the graph's inputs and outputs; ``temp`` is the most
+temporary memory live at any program point. :func:`liveness` decides which
+values XLA materialises (elementwise chains fuse into their consumer; dots,
+reductions, control flow and values read more than once do not) and when each
+buffer is born and dies under a given op order; :func:`memory_model` sums the
+live buffers per program point and keeps the points that can be the maximum
+somewhere in the domain: first by coefficient dominance, then by the
+comparisons of :mod:`jaxmem.symbolic`. The peak is a ``sympy.Max`` over them.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem.graph import build_graph
+    >>> from jaxmem.symbolic import ShapeDomain
+    >>> b, = jax.export.symbolic_shape("b")
+    >>> f = lambda x: jnp.tanh(x @ x.T).sum()
+    >>> g = build_graph(jax.make_jaxpr(f)(jax.ShapeDtypeStruct((b, 8), jnp.float32)))
+    >>> m = memory_model(g, ShapeDomain.from_constraints(("b",), ("b <= 64",)))
+    >>> m.peak_bytes
+    4*b**2 + 32*b + 4
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+import sympy
+
+from jaxmem.graph import Graph
+from jaxmem.symbolic import Cmp, ShapeDomain, compare
+
+LinExpr = dict[sympy.Expr, sympy.Expr]  # monomial -> coefficient; all monomials are >= 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """A buffer XLA would allocate for one materialised value.
+
+    Attributes:
+        value: the value id whose bytes it holds.
+        nbytes: symbolic size.
+        start: order position of the node that writes it (-1 for arguments).
+        end: last order position that reads it (``len(order)`` for outputs).
+        kind: ``argument``, ``output`` or ``temp``.
+    """
+
+    value: int
+    nbytes: sympy.Expr
+    start: int
+    end: int
+    kind: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryModel:
+    """Symbolic memory of a graph under one op order.
+
+    Attributes:
+        buffers: every buffer with its live range.
+        argument_bytes: sum of argument sizes.
+        output_bytes: sum of output sizes (each output buffer once).
+        alias_bytes: output bytes that reuse donated arguments.
+        temp_bytes: most temporary bytes live at once (a ``Max`` over program points).
+        peak_bytes: ``argument + output - alias + temp``.
+        timeline: temporary bytes live at each order position.
+        candidates: order positions whose live set can be the maximum somewhere.
+        comparisons: how the pruning comparisons were decided.
+    """
+
+    buffers: tuple[Buffer, ...]
+    argument_bytes: sympy.Expr
+    output_bytes: sympy.Expr
+    alias_bytes: sympy.Expr
+    temp_bytes: sympy.Expr
+    peak_bytes: sympy.Expr
+    timeline: tuple[sympy.Expr, ...]
+    candidates: tuple[int, ...]
+    comparisons: tuple[tuple[str, int], ...]
+
+
+def _materialised(graph: Graph) -> dict[int, int]:
+    """Maps each value to the value whose buffer holds it; fused values map to -1."""
+    consumers = graph.consumers
+    nodes = graph.nodes
+    outputs = set(graph.outputs)
+    owner: dict[int, int] = {v: v for v in graph.inputs}
+
+    def real_consumer_kinds(v: int) -> list[str]:
+        kinds = []
+        for c in consumers.get(v, ()):
+            n = nodes[c]
+            if n.kind == "view" and n.primitive != "optimization_barrier":
+                for o in n.outputs:
+                    kinds.extend(real_consumer_kinds(o) or (["output"] if o in outputs else []))
+            else:
+                kinds.append(n.kind)
+        return kinds
+
+    for n in nodes:
+        if n.kind == "view":
+            for i, o in enumerate(n.outputs):
+                src = n.inputs[i] if i < len(n.inputs) else (n.inputs[0] if n.inputs else None)
+                owner[o] = owner.get(src, o) if src is not None else o
+                if owner[o] == -1 and (o in outputs or n.primitive == "optimization_barrier"):
+                    owner[o] = o
+            continue
+        for o in n.outputs:
+            if n.kind != "elementwise":
+                owner[o] = o
+                continue
+            kinds = real_consumer_kinds(o)
+            fusible = len(kinds) == 1 and kinds[0] in ("elementwise", "reduce")
+            owner[o] = -1 if (fusible and o not in outputs) else o
+    return owner
+
+
+def liveness(graph: Graph, order: Sequence[int] | None = None,
+             donated: Sequence[int] = ()) -> tuple[Buffer, ...]:
+    """Buffers and their live ranges when the graph runs in ``order``.
+
+    Args:
+        graph: the graph.
+        order: a permutation of node indices (program order when None).
+        donated: indices into ``graph.inputs`` whose buffers outputs may reuse.
+
+    Returns:
+        One :class:`Buffer` per materialised value.
+    """
+    order = list(range(len(graph.nodes))) if order is None else list(order)
+    pos = {n: p for p, n in enumerate(order)}
+    owner = _materialised(graph)
+    nodes = graph.nodes
+    producers = graph.producers
+
+    # Fused values read their sources' buffers wherever they are consumed.
+    sources: dict[int, frozenset[int]] = {}
+
+    def srcs(v: int) -> frozenset[int]:
+        if v in sources:
+            return sources[v]
+        o = owner.get(v, v)
+        if o != -1:
+            res = frozenset([o])
+        else:
+            n = nodes[producers[v]]
+            res = frozenset().union(*[srcs(i) for i in n.inputs]) if n.inputs else frozenset()
+        sources[v] = res
+        return res
+
+    end = len(order)
+    last_use: dict[int, int] = {}
+    first_def: dict[int, int] = {}
+    for p, ni in enumerate(order):
+        n = nodes[ni]
+        for i in n.inputs:
+            for s in srcs(i):
+                last_use[s] = max(last_use.get(s, -1), p)
+        for o in n.outputs:
+            if owner.get(o) == o:
+                first_def.setdefault(o, p)
+    outputs = {owner.get(v, v) for v in graph.outputs if owner.get(v, v) != -1}
+    for v in graph.outputs:  # an output that stayed fused is materialised as the output
+        if owner.get(v) == -1:
+            outputs.add(v)
+            first_def.setdefault(v, pos[producers[v]])
+    inputs = set(graph.inputs)
+    donated_ids = {graph.inputs[i] for i in donated}
+
+    # Elementwise fusions and in-place ops write into an operand that dies there
+    # (XLA's buffer sharing). An output written that way owns the operand's buffer
+    # from the operand's birth: walking backwards propagates that along chains.
+    reuse_end: dict[int, int] = {}
+    in_output: set[int] = set()
+    for p in range(len(order) - 1, -1, -1):
+        n = nodes[order[p]]
+        if n.kind not in ("elementwise", "inplace"):
+            continue
+        for o in n.outputs:
+            if owner.get(o) != o or o in reuse_end:
+                continue
+            operands = list(dict.fromkeys(s for i in n.inputs for s in srcs(i)))
+            cands = [i for i in operands
+                     if owner.get(i, i) == i and i not in inputs and last_use.get(i) == p
+                     and graph.values[i].nbytes == graph.values[o].nbytes
+                     and i not in reuse_end and i not in outputs]
+            if n.kind == "inplace" and n.inputs:
+                first = srcs(n.inputs[0])
+                cands = [c for c in cands if c in first][:1]
+            if not cands:
+                continue
+            if o in outputs or o in in_output:
+                in_output.add(cands[0])
+            reuse_end[cands[0]] = p - 1
+
+    buffers = []
+    for v in graph.values:
+        vid = v.id
+        if vid in inputs:
+            buffers.append(Buffer(vid, v.nbytes, -1, end, "argument"))
+        elif vid in outputs:
+            buffers.append(Buffer(vid, v.nbytes, first_def.get(vid, end), end, "output"))
+        elif owner.get(vid) == vid and vid in first_def and vid not in in_output:
+            start = first_def[vid]
+            stop = reuse_end.get(vid, last_use.get(vid, start))
+            buffers.append(Buffer(vid, v.nbytes, start, max(stop, start), "temp"))
+        del vid
+    _ = donated_ids
+    return tuple(buffers)
+
+
+def _lin(e: sympy.Expr) -> LinExpr:
+    out: LinExpr = {}
+    for term in sympy.Add.make_args(sympy.expand(e)):
+        c, m = term.as_coeff_Mul()
+        out[m] = out.get(m, 0) + c
+    return out
+
+
+def _to_expr(d: LinExpr) -> sympy.Expr:
+    return sympy.Add(*[c * m for m, c in d.items() if c != 0])
+
+
+def _dominates(a: LinExpr, b: LinExpr) -> bool:
+    return all(a.get(m, 0) >= c for m, c in b.items()) and all(
+        c >= 0 or m in b for m, c in a.items())
+
+
+def _inner_temp(graph: Graph, dom: ShapeDomain, symbolic: bool) -> sympy.Expr:
+    """Temporary bytes a control-flow body needs while it runs."""
+    m = memory_model(graph, dom, symbolic=symbolic)
+    return m.temp_bytes
+
+
+def _alias_bytes(graph: Graph, donated: Sequence[int]) -> sympy.Expr:
+    free = collections.Counter()
+    for i in donated:
+        v = graph.values[graph.inputs[i]]
+        free[(v.shape, v.dtype)] += 1
+    total = sympy.Integer(0)
+    for vid in dict.fromkeys(graph.outputs):
+        v = graph.values[vid]
+        if free[(v.shape, v.dtype)] > 0:
+            free[(v.shape, v.dtype)] -= 1
+            total += v.nbytes
+    return total
+
+
+def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = None,
+                 donated: Sequence[int] = (), symbolic: bool = True) -> MemoryModel:
+    """The symbolic memory of ``graph`` run in ``order``.
+
+    Args:
+        graph: the graph.
+        dom: the shape domain (for comparisons between program points).
+        order: a permutation of node indices; program order when None.
+        donated: indices into ``graph.inputs`` that are donated.
+        symbolic: False runs the ablation (comparisons by sampling only).
+
+    Returns:
+        A :class:`MemoryModel`.
+    """
+    order = list(range(len(graph.nodes))) if order is None else list(order)
+    buffers = liveness(graph, order, donated)
+    n = len(order)
+    tally: collections.Counter[str] = collections.Counter()
+    deltas: list[list[tuple[Buffer, int]]] = [[] for _ in range(n + 2)]
+    for buf in buffers:
+        if buf.kind == "temp":
+            deltas[buf.start].append((buf, 1))
+            deltas[buf.end + 1].append((buf, -1))
+    extra: dict[int, sympy.Expr] = {}
+    for p, ni in enumerate(order):
+        node = graph.nodes[ni]
+        if node.subgraphs:
+            inner = [_inner_temp(g, dom, symbolic) for g in node.subgraphs]
+            extra[p] = sympy.Max(*inner) if len(inner) > 1 else inner[0]
+    live: LinExpr = {}
+    points: list[LinExpr] = []
+    for p in range(n):
+        for buf, sign in deltas[p]:
+            for m, c in _lin(buf.nbytes).items():
+                live[m] = live.get(m, 0) + sign * c
+        point = dict(live)
+        if p in extra:
+            for m, c in _lin(extra[p]).items():
+                point[m] = point.get(m, 0) + c
+        points.append({m: c for m, c in point.items() if c != 0})
+    candidates = _frontier(points, dom, tally, symbolic)
+    temp = sympy.Max(*[_to_expr(points[p]) for p in candidates]) if candidates else sympy.Integer(0)
+    args = sympy.Add(*[b.nbytes for b in buffers if b.kind == "argument"])
+    outs = sympy.Add(*[b.nbytes for b in buffers if b.kind == "output"])
+    alias = _alias_bytes(graph, donated)
+    return MemoryModel(buffers, args, outs, alias, temp, args + outs - alias + temp,
+                       tuple(_to_expr(p) for p in points), tuple(candidates),
+                       tuple(sorted(tally.items())))
+
+
+def _frontier(points: list[LinExpr], dom: ShapeDomain, tally: collections.Counter[str],
+              symbolic: bool) -> list[int]:
+    """Positions whose live bytes may be the maximum somewhere in the domain."""
+    keep: list[int] = []
+    seen: set[tuple] = set()
+    for p, pt in enumerate(points):
+        key = tuple(sorted((str(m), c) for m, c in pt.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        if symbolic:
+            if any(_dominates(points[q], pt) for q in keep):
+                tally["symbolic"] += 1
+                continue
+            before = len(keep)
+            keep = [q for q in keep if not _dominates(pt, points[q])]
+            tally["symbolic"] += 1 if before != len(keep) else 0
+        keep.append(p)
+    # What dominance cannot settle goes to the comparison oracle.
+    survivors: list[int] = []
+    for p in keep:
+        expr = _to_expr(points[p])
+        dominated = False
+        for q in list(survivors):
+            c = compare(expr, _to_expr(points[q]), dom, symbolic=symbolic)
+            tally[c.decided_by] += 1
+            if c.result in (Cmp.LT, Cmp.LE, Cmp.EQ):
+                dominated = True
+                break
+            if c.result in (Cmp.GT, Cmp.GE):
+                survivors.remove(q)
+        if not dominated:
+            survivors.append(p)
+    return sorted(survivors)
