@@ -1,5 +1,6 @@
 """jaxmem: symbolic-shape memory planning for JAX training steps."""
 
+from jaxmem import schedulers
 from jaxmem._errors import (
     BudgetInfeasibleError,
     JaxmemError,
@@ -8,15 +9,25 @@ from jaxmem._errors import (
     SymbolicError,
 )
 from jaxmem.analyze import Report, analyze
+from jaxmem.grad import value_and_grad
 from jaxmem.graph import JaxmemWarning
+from jaxmem.jit import Jitted, jit
+from jaxmem.plan.plan import Plan
+from jaxmem.schedulers import Scheduler
 
 __all__ = [
     "BudgetInfeasibleError",
     "JaxmemError",
     "JaxmemWarning",
+    "Jitted",
+    "Plan",
     "Report",
     "ScheduleError",
+    "Scheduler",
     "ShapeOutOfRangeError",
     "SymbolicError",
     "analyze",
+    "jit",
+    "schedulers",
+    "value_and_grad",
 ]

@@ -113,6 +113,10 @@ class Node:
     subgraphs: tuple[Graph, ...] = ()
     flops: sympy.Expr = sympy.Integer(0)
     params: tuple[tuple[str, Any], ...] = ()
+    # For execution by the rewrite stage: the equation, and per operand either a
+    # value id or None where the equation reads a literal.
+    eqn: Any = dataclasses.field(default=None, compare=False, repr=False)
+    operands: tuple[int | None, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     @property
     def is_backward(self) -> bool:
@@ -135,6 +139,8 @@ class Graph:
     nodes: tuple[Node, ...]
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
+    # (value id, array) for constants and literals the rewrite stage must feed in.
+    consts: tuple[tuple[int, Any], ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     @functools.cached_property
     def producers(self) -> dict[int, int]:
@@ -178,6 +184,12 @@ class _Builder:
     def __init__(self) -> None:
         self.values: list[Value] = []
         self.nodes: list[Node] = []
+        self.consts: list[tuple[int, Any]] = []
+
+    def const_value(self, aval: Any, val: Any) -> int:
+        vid = self.new_value(aval)
+        self.consts.append((vid, val))
+        return vid
 
     def new_value(self, aval: Any) -> int:
         shape = tuple(_dim_of(d) for d in getattr(aval, "shape", ()))
@@ -190,10 +202,11 @@ class _Builder:
 
     def add_node(self, primitive: str, kind: str, inputs: Sequence[int], outputs: Sequence[int],
                  scope: str, subgraphs: tuple[Graph, ...] = (), flops: sympy.Expr | None = None,
-                 params: tuple[tuple[str, Any], ...] = ()) -> None:
+                 params: tuple[tuple[str, Any], ...] = (), eqn: Any = None,
+                 operands: Sequence[int | None] = ()) -> None:
         self.nodes.append(Node(len(self.nodes), primitive, kind, tuple(inputs), tuple(outputs),
                                scope, subgraphs, flops if flops is not None else sympy.Integer(0),
-                               params))
+                               params, eqn, tuple(operands)))
 
 
 def _itemsize(dtype: Any) -> int:
@@ -261,14 +274,16 @@ def _default_rule(b: _Builder, env: dict, eqn: Any, scope: str) -> None:
                           "(all results materialised, operands kept live until it runs)",
                           JaxmemWarning, stacklevel=2)
         kind = "opaque"
-    ins = [v for v in (_read(env, b, a) for a in eqn.invars) if v is not None]
+    operands = [_read(env, b, a) for a in eqn.invars]
+    ins = [v for v in operands if v is not None]
     outs = [b.new_value(v.aval) for v in eqn.outvars]
     for var, vid in zip(eqn.outvars, outs, strict=True):
         env[var] = vid
     params: tuple[tuple[str, Any], ...] = ()
     if name == "name":
         params = (("name", eqn.params.get("name")),)
-    b.add_node(name, kind, ins, outs, scope, flops=_flops(eqn), params=params)
+    b.add_node(name, kind, ins, outs, scope, flops=_flops(eqn), params=params, eqn=eqn,
+               operands=operands)
 
 
 def _flops(eqn: Any) -> sympy.Expr:
@@ -290,24 +305,17 @@ def _inline(b: _Builder, env: dict, eqn: Any, scope: str, closed: Any) -> None:
     inner = getattr(closed, "jaxpr", closed)
     consts = getattr(closed, "consts", ())
     sub_env: dict[Any, int] = {}
-    for var, c in zip(inner.constvars, consts, strict=False):
-        sub_env[var] = b.new_value(getattr(c, "aval", None) or _aval_of(c))
-    outer_ins = list(eqn.invars)
-    for var, atom in zip(inner.invars, outer_ins, strict=True):
+    for var, c in zip(inner.constvars, consts, strict=True):
+        sub_env[var] = b.const_value(var.aval, c)
+    for var, atom in zip(inner.invars, eqn.invars, strict=True):
         vid = _read(env, b, atom)
-        sub_env[var] = vid if vid is not None else b.new_value(var.aval)
+        sub_env[var] = vid if vid is not None else b.const_value(var.aval, atom.val)
     _walk(b, inner, sub_env, scope)
     for outer, res in zip(eqn.outvars, inner.outvars, strict=True):
         if isinstance(res, jcore.Literal):
-            env[outer] = b.new_value(outer.aval)
+            env[outer] = b.const_value(outer.aval, res.val)
         else:
             env[outer] = sub_env[res]
-
-
-def _aval_of(c: Any) -> Any:
-    import jax
-
-    return jax.core.get_aval(c)
 
 
 @register_rule("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
@@ -328,13 +336,14 @@ def _subgraph(closed: Any) -> Graph:
 def _control(b: _Builder, env: dict, eqn: Any, scope: str, bodies: list[Any],
              trips: sympy.Expr) -> None:
     subs = tuple(_subgraph(body) for body in bodies)
-    ins = [v for v in (_read(env, b, a) for a in eqn.invars) if v is not None]
+    operands = [_read(env, b, a) for a in eqn.invars]
+    ins = [v for v in operands if v is not None]
     outs = [b.new_value(v.aval) for v in eqn.outvars]
     for var, vid in zip(eqn.outvars, outs, strict=True):
         env[var] = vid
     body_flops = sympy.Max(*[sum((n.flops for n in g.nodes), sympy.Integer(0)) for g in subs])
     b.add_node(eqn.primitive.name, "control", ins, outs, scope, subs,
-               flops=sympy.expand(trips * body_flops))
+               flops=sympy.expand(trips * body_flops), eqn=eqn, operands=operands)
 
 
 @register_rule("scan")
@@ -368,8 +377,7 @@ def build_graph(closed_jaxpr: Any) -> Graph:
     b = _Builder()
     env: dict[Any, int] = {}
     for var, c in zip(jaxpr.constvars, consts, strict=False):
-        env[var] = b.new_value(var.aval)
-        del c
+        env[var] = b.const_value(var.aval, c)
     for var in jaxpr.constvars:
         env.setdefault(var, b.new_value(var.aval))
     inputs = []
@@ -379,5 +387,6 @@ def build_graph(closed_jaxpr: Any) -> Graph:
     _walk(b, jaxpr, env, "")
     outputs = []
     for res in jaxpr.outvars:
-        outputs.append(b.new_value(res.aval) if isinstance(res, jcore.Literal) else env[res])
-    return Graph(tuple(b.values), tuple(b.nodes), tuple(inputs), tuple(outputs))
+        lit = isinstance(res, jcore.Literal)
+        outputs.append(b.const_value(res.aval, res.val) if lit else env[res])
+    return Graph(tuple(b.values), tuple(b.nodes), tuple(inputs), tuple(outputs), tuple(b.consts))

@@ -1,0 +1,240 @@
+"""``jaxmem.jit``: a drop-in for ``jax.jit`` that plans memory for every shape it meets.
+
+The function is traced once with symbolic dims; its recomputation levels are
+derived once from the symbolic memory model (:mod:`jaxmem.plan.planner`). At a
+call, jaxmem binds the dims from the argument shapes, checks them against the
+declared ranks, ranges and constraints, picks the first level whose guard
+``peak(dims) <= budget`` holds, and compiles the exact-shape executable (cached;
+a seen shape never recompiles). XLA is the oracle: if the compiled executable's
+own ``memory_analysis()`` exceeds the budget, the next level is tried; if none
+fits, :class:`~jaxmem.BudgetInfeasibleError` says what the best one needs.
+
+Example:
+    >>> import jax, jax.numpy as jnp, jaxmem
+    >>> def step(w, x):
+    ...     return jax.grad(lambda w: jnp.tanh(x @ w).sum())(w)
+    >>> f = jaxmem.jit(step, polymorphic_shapes=(None, "b, 8"), constraints=("b <= 64",))
+    >>> f(jnp.ones((8, 8)), jnp.ones((4, 8))).shape
+    (8, 8)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import re
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+
+from jaxmem._errors import BudgetInfeasibleError, ShapeOutOfRangeError
+from jaxmem.dispatch import Analysis, analyze_specs, bind_dims
+from jaxmem.plan.plan import Plan, compile_level
+from jaxmem.schedulers import MemoryAware, Scheduler
+
+
+def _check_budget(budget_bytes: Any) -> int | None:
+    if budget_bytes is None:
+        return None
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
+        raise TypeError(f"budget_bytes must be an int number of bytes or None, got "
+                        f"{budget_bytes!r} ({type(budget_bytes).__name__})")
+    if budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+    return budget_bytes
+
+
+def _argnums(name: str, value: int | Iterable[int]) -> tuple[int, ...]:
+    nums = (value,) if isinstance(value, int) else tuple(value)
+    for n in nums:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name} must hold non-negative ints, got {n!r}")
+    return nums
+
+
+_SPEC = re.compile(r"^[\s\w,+*\-/()^.]*$")
+
+
+def _check_shapes(polymorphic_shapes: Any) -> Any:
+    for leaf in jax.tree_util.tree_leaves(polymorphic_shapes):
+        if not isinstance(leaf, str) or not _SPEC.match(leaf):
+            raise ValueError(f"polymorphic_shapes entries must be strings like 'b, s' or None, "
+                             f"got {leaf!r}")
+    return polymorphic_shapes
+
+
+class Jitted:
+    """A function planned and compiled by jaxmem. Call it like the ``jax.jit`` result.
+
+    Attributes:
+        budget_bytes: the memory budget (per device), or None.
+        scheduler: the scheduling strategy.
+    """
+
+    def __init__(self, fun: Callable[..., Any], *, polymorphic_shapes: Any = None,
+                 constraints: Sequence[str] = (), budget_bytes: int | None = None,
+                 scheduler: Scheduler | None = None, donate_argnums: int | Iterable[int] = (),
+                 static_argnums: int | Iterable[int] = (), in_shardings: Any = None,
+                 out_shardings: Any = None, symbolic: bool = True):
+        if not callable(fun):
+            raise TypeError(f"jaxmem.jit expects a callable, got {type(fun).__name__}")
+        if scheduler is not None and not isinstance(scheduler, Scheduler):
+            raise TypeError(f"scheduler must be a jaxmem.Scheduler or None, got {scheduler!r}")
+        self.fun = fun
+        self.polymorphic_shapes = _check_shapes(polymorphic_shapes)
+        self.constraints = tuple(constraints)
+        for c in self.constraints:
+            if not isinstance(c, str):
+                raise ValueError(f"constraints must be strings like 'b <= 16', got {c!r}")
+        self.budget_bytes = _check_budget(budget_bytes)
+        self.scheduler = scheduler if scheduler is not None else MemoryAware()
+        self.donate_argnums = _argnums("donate_argnums", donate_argnums)
+        self.static_argnums = _argnums("static_argnums", static_argnums)
+        self.in_shardings = in_shardings
+        self.out_shardings = out_shardings
+        self.symbolic = symbolic
+        self._analyses: dict[Any, Analysis] = {}
+        self._plans: dict[Any, Plan] = {}
+        self._lock = threading.RLock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        functools.update_wrapper(self, fun)
+
+    def __repr__(self) -> str:
+        name = getattr(self.fun, "__name__", repr(self.fun))
+        return (f"jaxmem.jit({name}, polymorphic_shapes={self.polymorphic_shapes!r}, "
+                f"budget_bytes={self.budget_bytes}, scheduler={self.scheduler!r})")
+
+    # --- dispatch -------------------------------------------------------------------------
+
+    def _split(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        for i in self.static_argnums:
+            if i >= len(args):
+                raise ShapeOutOfRangeError(
+                    f"static_argnums={self.static_argnums} names argument {i}, but only "
+                    f"{len(args)} positional arguments were passed")
+        static = tuple(args[i] for i in self.static_argnums)
+        dynamic = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+        return static, dynamic
+
+    def _key(self, static: tuple[Any, ...], dynamic: tuple[Any, ...]) -> Any:
+        flat, tree = jax.tree_util.tree_flatten(dynamic)
+        shapes = tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x))) for x in flat)
+        try:
+            hash(static)
+        except TypeError as e:
+            raise ShapeOutOfRangeError(f"static arguments must be hashable: {e}") from e
+        return (tree, static, shapes)
+
+    def plan_for(self, *args: Any) -> Plan:
+        """The plan (and compiled executable) that a call with ``args`` runs.
+
+        Raises:
+            ShapeOutOfRangeError: arguments outside the declared ranks/ranges/constraints.
+            BudgetInfeasibleError: no plan fits the budget.
+        """
+        static, dynamic = self._split(args)
+        key = self._key(static, dynamic)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._make_plan(static, dynamic)
+                self._plans[key] = plan
+        return plan
+
+    def _analysis(self, static: tuple[Any, ...], dynamic: tuple[Any, ...]) -> Analysis:
+        flat, tree = jax.tree_util.tree_flatten(dynamic)
+        akey = (tree, static, tuple((len(getattr(x, "shape", ())), str(getattr(x, "dtype", "")))
+                                    for x in flat))
+        a = self._analyses.get(akey)
+        if a is None:
+            a = analyze_specs(self.fun, static, dynamic, self.static_argnums,
+                              self.polymorphic_shapes, self.constraints, self.scheduler,
+                              self.donate_argnums, self.symbolic)
+            self._analyses[akey] = a
+        return a
+
+    def _make_plan(self, static: tuple[Any, ...], dynamic: tuple[Any, ...]) -> Plan:
+        analysis = self._analysis(static, dynamic)
+        dims = bind_dims(analysis, dynamic)
+        start = analysis.plans.choose(dims, self.budget_bytes)
+        tried: list[Plan] = []
+        for k in range(start, len(analysis.plans.levels)):
+            plan = compile_level(analysis, k, dims, static, dynamic, self)
+            tried.append(plan)
+            if self.budget_bytes is None or plan.peak_bytes <= self.budget_bytes:
+                return plan
+        best = min(tried, key=lambda p: p.peak_bytes)
+        if best.level > 0 and start > 0:
+            # The guard skipped cheaper levels; XLA may still fit one of them.
+            for k in range(start - 1, -1, -1):
+                plan = compile_level(analysis, k, dims, static, dynamic, self)
+                if plan.peak_bytes <= self.budget_bytes:
+                    return plan
+        raise BudgetInfeasibleError(
+            f"no plan fits budget_bytes={self.budget_bytes} at {dims}: the best plan "
+            f"(level {best.level}, recomputing {', '.join(best.recompute) or 'nothing'}) needs "
+            f"{best.peak_bytes} bytes", min_peak_bytes=best.peak_bytes,
+            budget_bytes=self.budget_bytes)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.plan_for(*args).run(*args)
+
+    def precompile(self, shapes: Iterable[Sequence[Any]], background: bool = True
+                   ) -> list[concurrent.futures.Future[Plan]]:
+        """Plans and compiles ahead for argument specs the caller expects.
+
+        Args:
+            shapes: each item is a tuple of arguments (arrays or ``jax.ShapeDtypeStruct``)
+                as they will be passed.
+            background: compile in a background thread and return futures.
+        """
+        items = [tuple(s) for s in shapes]
+        if not background:
+            done: list[concurrent.futures.Future[Plan]] = []
+            for s in items:
+                f: concurrent.futures.Future[Plan] = concurrent.futures.Future()
+                f.set_result(self.plan_for(*s))
+                done.append(f)
+            return done
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxmem")
+        return [self._pool.submit(self.plan_for, *s) for s in items]
+
+    @property
+    def compiles(self) -> int:
+        """Number of distinct executables compiled so far."""
+        return len({id(p.compiled) for p in self._plans.values()})
+
+
+def jit(fun: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
+    """Planned, budgeted ``jax.jit``. Use as ``jaxmem.jit(f, ...)`` or ``@jaxmem.jit(...)``.
+
+    Args:
+        fun: the function (omit to get a decorator).
+        polymorphic_shapes: per positional argument, ``None`` or a string like ``"b, s"``
+            (the form of ``jax.export.symbolic_args_specs``).
+        constraints: e.g. ``("b <= 16", "s <= 512")``.
+        budget_bytes: memory budget per device in bytes, or None for no limit.
+        scheduler: a :class:`~jaxmem.Scheduler`; None means ``schedulers.MemoryAware()``.
+        donate_argnums, static_argnums, in_shardings, out_shardings: as for ``jax.jit``.
+        symbolic: False runs the fallback-only ablation.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmem
+        >>> @jaxmem.jit(polymorphic_shapes=("n",), constraints=("n <= 1024",))
+        ... def f(x):
+        ...     return x * 2
+        >>> f(jnp.arange(3.0))
+        Array([0., 2., 4.], dtype=float32)
+    """
+    if fun is None:
+        return lambda f: Jitted(f, **kwargs)
+    return Jitted(fun, **kwargs)
+
+
+__all__ = ["Jitted", "Plan", "jit"]

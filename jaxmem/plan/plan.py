@@ -1,0 +1,142 @@
+"""A concrete plan: one level applied at concrete dims, compiled by XLA.
+
+Example:
+    >>> import jax, jax.numpy as jnp, jaxmem
+    >>> f = jaxmem.jit(lambda x: (x * 2).sum(), polymorphic_shapes=("n",))
+    >>> print(f.plan_for(jnp.ones(4)).describe().splitlines()[0])
+    jaxmem plan at n=4: level 0 of 1 (save every residual)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from jaxmem.graph import JaxmemWarning, build_graph
+from jaxmem.plan.remat import apply_remat
+from jaxmem.plan.residuals import find_residuals
+from jaxmem.rewrite import as_function, compiler_options
+from jaxmem.schedulers import reorder
+
+if TYPE_CHECKING:
+    from jaxmem.dispatch import Analysis
+
+
+def xla_peak_bytes(compiled: Any) -> int:
+    """``argument + output - alias + temp`` from XLA's ``memory_analysis()``."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+               + m.temp_size_in_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What runs for one concrete shape.
+
+    Attributes:
+        dims: the bound dimension values.
+        level: index of the recomputation level.
+        n_levels: how many levels the function has.
+        recompute: residual groups recomputed (e.g. ``layer_*/attn:exp``).
+        saved: residual groups kept from forward to backward.
+        predicted_peak_bytes: jaxmem's symbolic prediction at ``dims``.
+        peak_bytes: XLA's own figure for the compiled executable.
+        budget_bytes: the budget, or None.
+        compiled: the ``jax.stages.Compiled`` that runs.
+        order_enforced: whether a scheduler's op order is enforced with barriers.
+    """
+
+    dims: dict[str, int]
+    level: int
+    n_levels: int
+    recompute: tuple[str, ...]
+    saved: tuple[str, ...]
+    predicted_peak_bytes: int
+    peak_bytes: int
+    budget_bytes: int | None
+    compiled: Any = dataclasses.field(repr=False)
+    order_enforced: bool = False
+    static_argnums: tuple[int, ...] = ()
+    guard: str = ""
+
+    def run(self, *args: Any) -> Any:
+        """Runs the compiled executable on the full positional arguments."""
+        dynamic = [a for i, a in enumerate(args) if i not in self.static_argnums]
+        return self.compiled(*dynamic)
+
+    def describe(self) -> str:
+        """Human-readable: what is saved, recomputed, offloaded, and why."""
+        dims = ", ".join(f"{k}={v}" for k, v in self.dims.items()) or "static shapes"
+        what = ("save every residual" if not self.recompute
+                else f"recompute {len(self.recompute)} residual group(s)")
+        budget = "no budget" if self.budget_bytes is None else f"budget {_mib(self.budget_bytes)}"
+        lines = [f"jaxmem plan at {dims}: level {self.level} of {self.n_levels} ({what})",
+                 f"  predicted peak {_mib(self.predicted_peak_bytes)}, XLA peak "
+                 f"{_mib(self.peak_bytes)}, {budget}"]
+        if self.guard:
+            lines.append(f"  why: {self.guard}")
+        for g in self.recompute:
+            lines.append(f"  recompute {g}")
+        for g in self.saved:
+            lines.append(f"  save      {g}")
+        lines.append("  offload   nothing (host offload is not planned on this backend)")
+        if self.order_enforced:
+            lines.append("  op order  the scheduler's order, enforced with optimization barriers")
+        return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def compile_level(analysis: Analysis, k: int, dims: dict[str, int], static: tuple[Any, ...],
+                  dynamic: tuple[Any, ...], jitted: Any) -> Plan:
+    """Applies level ``k`` to the concrete trace at ``dims`` and compiles it."""
+    level = analysis.plans.levels[k]
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(dynamic)]
+    tree = jax.tree_util.tree_structure(dynamic)
+    closed, out_shape = jax.make_jaxpr(analysis.flat_fn, return_shape=True)(
+        *jax.tree_util.tree_unflatten(tree, avals))
+    graph = build_graph(closed)
+    wanted = set(level.recompute)
+    chosen = [r for r in find_residuals(graph) if r.group in wanted]
+    rewritten = apply_remat(graph, chosen)
+    order = analysis.orders[k]
+    enforced = False
+    if order is not None and order != list(range(len(order))):
+        if len(order) == len(rewritten.nodes):
+            rewritten, enforced = reorder(rewritten, order), True
+        else:
+            warnings.warn("jaxmem: the concrete trace differs from the symbolic one; the "
+                          "scheduler's order is not applied at this shape", JaxmemWarning,
+                          stacklevel=3)
+    body = as_function(rewritten, enforce_order=enforced)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+
+    def run(*dyn: Any) -> Any:
+        return jax.tree_util.tree_unflatten(out_tree, body(*jax.tree_util.tree_leaves(dyn)))
+
+    kwargs: dict[str, Any] = {"donate_argnums": analysis.donate_dynamic}
+    if jitted.in_shardings is not None:
+        kwargs["in_shardings"] = jitted.in_shardings
+    if jitted.out_shardings is not None:
+        kwargs["out_shardings"] = jitted.out_shardings
+    lowered = jax.jit(run, **kwargs).lower(*dynamic)
+    compiled = lowered.compile(compiler_options=compiler_options())
+    all_groups = [g for g, _ in analysis.plans.groups]
+    predicted = level.peak_fn(dims)
+    budget = jitted.budget_bytes
+    if k == 0:
+        guard = ("nothing needs recomputing: the predicted peak fits" if budget is not None
+                 and predicted <= budget else "no budget given" if budget is None else
+                 "level 0 was tried first")
+    else:
+        guard = (f"cheaper levels are predicted or measured above the budget; this one "
+                 f"predicts {_mib(predicted)}")
+    return Plan(dict(dims), k, len(analysis.plans.levels), level.recompute,
+                tuple(g for g in all_groups if g not in wanted), predicted,
+                xla_peak_bytes(compiled), budget, compiled, enforced, jitted.static_argnums,
+                guard)

@@ -1,0 +1,166 @@
+"""Plans: which residual groups to recompute, chosen once per function by symbolic memory.
+
+Residual groups are ranked by what they give back per unit of recomputation
+(bytes over FLOPs, compared symbolically, by sampling where the order depends on
+the shape). Level ``k`` recomputes the first ``k`` useful groups. A group is
+useful when it lowers the symbolic peak somewhere in the domain; one that
+cannot (its bytes are never at the peak) is skipped, which is the BladeDISC++
+idea of deciding rematerialisation by symbolic memory impact. Each level's peak
+is a sympy expression; its guard is ``peak_k(dims) <= budget``: at a call the
+first level whose guard holds is the fastest plan that fits.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem.graph import build_graph
+    >>> from jaxmem.symbolic import ShapeDomain
+    >>> b, = jax.export.symbolic_shape("b", constraints=("b <= 512",))
+    >>> f = lambda w, x: jnp.tanh(jnp.tanh(x @ w) @ w).sum()
+    >>> g = build_graph(jax.make_jaxpr(jax.grad(f))(jnp.ones((64, 64)),
+    ...                 jax.ShapeDtypeStruct((b, 64), jnp.float32)))
+    >>> plans = plan_levels(g, ShapeDomain.from_constraints(("b",), ("b <= 512",)))
+    >>> plans.levels[0].recompute
+    ()
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import sympy
+
+from jaxmem.graph import Graph
+from jaxmem.memory import MemoryModel, memory_model
+from jaxmem.plan.remat import apply_remat
+from jaxmem.plan.residuals import Residual, find_residuals
+from jaxmem.symbolic import Cmp, ShapeDomain, compare, sym
+
+
+@dataclasses.dataclass(frozen=True)
+class Level:
+    """One plan: the residual groups it recomputes and its symbolic memory.
+
+    Attributes:
+        recompute: names of the recomputed residual groups (cumulative).
+        residuals: the recomputed residuals.
+        graph: the rewritten graph.
+        memory: its memory model; ``memory.peak_bytes`` is the guard's left side.
+        recompute_flops: symbolic extra work.
+    """
+
+    recompute: tuple[str, ...]
+    residuals: tuple[Residual, ...]
+    graph: Graph = dataclasses.field(repr=False)
+    memory: MemoryModel = dataclasses.field(repr=False)
+    recompute_flops: sympy.Expr = sympy.Integer(0)
+
+    @functools.cached_property
+    def peak_fn(self) -> Callable[..., Any]:
+        """The peak as a fast numeric function of the symbols (in domain order)."""
+        free = sorted(self.memory.peak_bytes.free_symbols, key=str)
+        fn = sympy.lambdify(free, self.memory.peak_bytes, modules=["math"])
+        names = [str(s) for s in free]
+        return lambda dims: int(fn(*[dims[n] for n in names]))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSet:
+    """All levels of one function, from "save everything" to "recompute all it can".
+
+    Attributes:
+        domain: the shape domain the plans are valid on.
+        groups: residual groups in the order levels add them, with their residuals.
+        levels: plans; ``levels[0]`` recomputes nothing.
+        comparisons: how the ranking and pruning comparisons were decided.
+    """
+
+    domain: ShapeDomain
+    groups: tuple[tuple[str, tuple[Residual, ...]], ...]
+    levels: tuple[Level, ...]
+    comparisons: tuple[tuple[str, int], ...]
+
+    def choose(self, dims: Mapping[str, int], budget_bytes: int | None) -> int:
+        """Index of the first level whose predicted peak fits (the last one if none)."""
+        if budget_bytes is None:
+            return 0
+        for k, level in enumerate(self.levels):
+            if level.peak_fn(dims) <= budget_bytes:
+                return k
+        return len(self.levels) - 1
+
+
+def _rank(groups: dict[str, list[Residual]], dom: ShapeDomain, symbolic: bool,
+          tally: collections.Counter[str]) -> list[str]:
+    """Groups ordered by bytes freed per FLOP recomputed, best first."""
+    stats = {name: (sympy.Add(*[r.nbytes for r in rs]),
+                    sympy.Add(*[r.recompute_flops for r in rs]) + 1) for name, rs in groups.items()}
+    mid = {n: _midpoint(dom, n) for n in dom.symbols}
+
+    def better(a: str, b: str) -> int:
+        (ba, fa), (bb, fb) = stats[a], stats[b]
+        c = compare(ba * fb, bb * fa, dom, symbolic=symbolic)
+        tally[c.decided_by] += 1
+        if c.result in (Cmp.GT, Cmp.GE):
+            return -1
+        if c.result in (Cmp.LT, Cmp.LE):
+            return 1
+        if c.result == Cmp.EQ:
+            return 0
+        tally["fallback"] += 1  # shape-dependent: rank at the domain's middle
+        subs = {sym(n): v for n, v in mid.items()}
+        va, vb = float((ba * fb).subs(subs)), float((bb * fa).subs(subs))
+        return -1 if va > vb else (1 if va < vb else 0)
+
+    return sorted(groups, key=functools.cmp_to_key(better))
+
+
+def _midpoint(dom: ShapeDomain, name: str) -> int:
+    lo, hi = dom.bounds(name)
+    hi = hi if hi is not None else max(lo, 1024)
+    return int(round((lo * hi) ** 0.5))
+
+
+def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
+                donated: tuple[int, ...] = (), max_levels: int = 12) -> PlanSet:
+    """Derives the levels of recomputation for a differentiated graph.
+
+    Args:
+        graph: the (symbolic) graph of a train step.
+        dom: its shape domain.
+        symbolic: False for the fallback-only ablation.
+        donated: donated input indices (for the memory model's aliasing).
+        max_levels: at most this many levels beyond "save everything".
+
+    Returns:
+        A :class:`PlanSet`.
+    """
+    tally: collections.Counter[str] = collections.Counter()
+    residuals = find_residuals(graph)
+    groups: dict[str, list[Residual]] = {}
+    for r in residuals:
+        groups.setdefault(r.group, []).append(r)
+    order = _rank(groups, dom, symbolic, tally)
+    base = memory_model(graph, dom, donated=donated, symbolic=symbolic)
+    levels = [Level((), (), graph, base)]
+    chosen: list[Residual] = []
+    names: list[str] = []
+    for name in order:
+        if len(levels) > max_levels:
+            break
+        trial = chosen + groups[name]
+        g2 = apply_remat(graph, trial)
+        m = memory_model(g2, dom, donated=donated, symbolic=symbolic)
+        c = compare(m.peak_bytes, levels[-1].memory.peak_bytes, dom, symbolic=symbolic)
+        tally[c.decided_by] += 1
+        if c.result in (Cmp.GE, Cmp.GT, Cmp.EQ):
+            continue  # never lowers the peak: recomputing it would only cost time
+        chosen, names = trial, names + [name]
+        flops = sympy.Add(*[r.recompute_flops for r in chosen])
+        levels.append(Level(tuple(names), tuple(chosen), g2, m, flops))
+    for k, v in base.comparisons:
+        tally[k] += v
+    return PlanSet(dom, tuple((n, tuple(groups[n])) for n in order), tuple(levels),
+                   tuple(sorted(tally.items())))

@@ -1,0 +1,100 @@
+"""Recomputation as a graph rewrite: drop residuals, recompute them where they are needed.
+
+:func:`apply_remat` returns a new :class:`~jaxmem.graph.Graph` in which every
+backward read of a recomputed residual reads a clone, made just before its
+first backward use by re-running the forward operations that produced it. The
+clone's inputs pass through ``optimization_barrier`` together with a value of
+the backward pass, so XLA can neither run the recomputation early nor merge it
+with the forward original (on CPU that needs the ``cse_barrier_expander`` pass
+off; see :mod:`jaxmem.rewrite`). The memory model runs on the result unchanged.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem.graph import build_graph
+    >>> from jaxmem.plan.residuals import find_residuals
+    >>> f = lambda w, x: jnp.tanh(jnp.tanh(x @ w) @ w).sum()
+    >>> g = build_graph(jax.make_jaxpr(jax.grad(f))(jnp.ones((4, 4)), jnp.ones((2, 4))))
+    >>> r = find_residuals(g)
+    >>> len(apply_remat(g, r).nodes) > len(g.nodes)
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from jaxmem.graph import Graph, Node, Value
+from jaxmem.plan.residuals import Residual, find_residuals, recompute_chain
+
+
+def apply_remat(graph: Graph, recompute: Iterable[Residual]) -> Graph:
+    """Rewrites ``graph`` so that the given residuals are recomputed, not kept.
+
+    Args:
+        graph: a differentiated graph.
+        recompute: residuals (from :func:`find_residuals` on this graph) to recompute.
+
+    Returns:
+        The rewritten graph, nodes in execution order.
+    """
+    chosen = {r.value: r for r in recompute}
+    if not chosen:
+        return graph
+    kept = ({r.value for r in find_residuals(graph)} - set(chosen)) | set(graph.inputs) | {
+        v for v, _ in graph.consts}
+    by_first: dict[int, list[tuple[Residual, tuple[int, ...]]]] = {}
+    for r in chosen.values():
+        chain = recompute_chain(graph, r.value, kept)
+        if chain is not None:  # otherwise it stays saved
+            by_first.setdefault(r.first_use, []).append((r, chain))
+    values: list[Value] = list(graph.values)
+    nodes: list[Node] = []
+    rename: dict[int, int] = {}  # residual value -> its clone, once made
+    last_backward_out: int | None = None
+    producers = graph.producers
+
+    def new_value(like: int) -> int:
+        v = graph.values[like]
+        vid = len(values)
+        values.append(dataclasses.replace(v, id=vid))
+        return vid
+
+    def emit(node: Node, inputs: list[int], operands: list[int | None], outputs: list[int]) -> None:
+        nodes.append(dataclasses.replace(node, index=len(nodes), inputs=tuple(inputs),
+                                         operands=tuple(operands), outputs=tuple(outputs)))
+
+    for node in graph.nodes:
+        block = by_first.get(node.index)
+        if block:
+            chain = sorted({i for _, c in block for i in c})
+            made = {o for i in chain for o in graph.nodes[i].outputs}
+            leaves = list(dict.fromkeys(v for i in chain for v in graph.nodes[i].inputs
+                                        if v not in made))
+            trigger = next((v for v in node.inputs
+                            if v in producers and graph.nodes[producers[v]].is_backward),
+                           last_backward_out)
+            barrier_in = leaves + ([trigger] if trigger is not None else [])
+            barrier_out = [new_value(v) for v in barrier_in]
+            nodes.append(Node(len(nodes), "optimization_barrier", "view", tuple(barrier_in),
+                              tuple(barrier_out), node.scope + "/remat",
+                              operands=tuple(barrier_in)))
+            local = dict(zip(leaves, barrier_out, strict=False))
+            for i in chain:
+                src = graph.nodes[i]
+                outs = [new_value(o) for o in src.outputs]
+                ins = [local.get(v, v) for v in src.inputs]
+                ops = [None if o is None else local.get(o, o) for o in src.operands]
+                emit(dataclasses.replace(src, scope=src.scope + "/remat"), ins, ops, outs)
+                local.update(zip(src.outputs, outs, strict=True))
+            for r, _ in block:
+                rename[r.value] = local[r.value]
+        if node.is_backward:
+            ins = [rename.get(v, v) for v in node.inputs]
+            ops = [None if o is None else rename.get(o, o) for o in node.operands]
+            emit(node, ins, ops, list(node.outputs))
+            if node.outputs:
+                last_backward_out = node.outputs[0]
+        else:
+            emit(node, list(node.inputs), list(node.operands), list(node.outputs))
+    return Graph(tuple(values), tuple(nodes), graph.inputs, graph.outputs, graph.consts)

@@ -1,0 +1,138 @@
+"""Residuals: what a train step keeps from its forward pass for its backward pass.
+
+A residual is a materialised value made by a forward operation (JAX's name stack
+says ``jvp(...)``) and read by a backward one (``transpose(...)``). Each can be
+saved (the default), or recomputed just before its first backward use from
+values that are saved anyway. Residuals are grouped by what they are across
+layers (same primitive, same symbolic size, same scope with layer numbers
+erased), so that plans speak of "the attention probabilities of every layer",
+not of value 1234.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem.graph import build_graph
+    >>> f = lambda w, x: jnp.tanh(x @ w).sum()
+    >>> g = build_graph(jax.make_jaxpr(jax.grad(f))(jnp.ones((4, 4)), jnp.ones((2, 4))))
+    >>> [r.primitive for r in find_residuals(g)]
+    ['tanh']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import sympy
+
+from jaxmem.graph import Graph
+from jaxmem.memory import _materialised
+
+_WRAPPERS = re.compile(r"\b(?:jvp|transpose|vmap|remat|checkpoint|pjit|jit)\(")
+_LAYER = re.compile(r"\d+")
+
+
+def is_forward(scope: str) -> bool:
+    """True for operations JAX made while tracing the primal (the forward pass)."""
+    return "jvp(" in scope and "transpose(" not in scope
+
+
+def clean_scope(scope: str) -> str:
+    """The user's ``jax.named_scope`` path without JAX's transform wrappers."""
+    s = _WRAPPERS.sub("", scope).replace(")", "")
+    return "/".join(p for p in s.split("/") if p) or "<top>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """One value kept from the forward pass for the backward pass.
+
+    Attributes:
+        value: value id in the graph.
+        producer: index of the node that makes it.
+        primitive: that node's primitive.
+        scope: the user's scope path (``layer_3/attn``) or ``<top>``.
+        nbytes: symbolic size.
+        first_use: index of the first backward node that reads it.
+        recompute_nodes: forward node indices needed to recompute it from
+            values that stay live anyway (inputs and other residuals).
+        recompute_flops: symbolic cost of that recomputation.
+    """
+
+    value: int
+    producer: int
+    primitive: str
+    scope: str
+    nbytes: sympy.Expr
+    first_use: int
+    recompute_nodes: tuple[int, ...]
+    recompute_flops: sympy.Expr
+
+    @property
+    def group(self) -> str:
+        """A name shared by the same residual of every layer."""
+        return f"{_LAYER.sub('*', self.scope)}:{self.primitive}"
+
+
+def find_residuals(graph: Graph) -> tuple[Residual, ...]:
+    """All residuals of a differentiated graph, in program order of their producers."""
+    owner = _materialised(graph)
+    producers = graph.producers
+    nodes = graph.nodes
+    inputs = set(graph.inputs)
+    outputs = set(graph.outputs)
+    candidates: dict[int, int] = {}
+    for n in nodes:
+        if not n.is_backward:
+            continue
+        for v in n.inputs:
+            p = producers.get(v)
+            if p is None or v in inputs:
+                continue
+            src = owner.get(v, v)
+            if src != v or v in outputs or not is_forward(nodes[p].scope):
+                continue
+            if nodes[p].kind in ("view",):
+                continue
+            candidates.setdefault(v, n.index)
+    kept = set(candidates) | inputs | {v for v, _ in graph.consts}
+    out = []
+    for v, first in sorted(candidates.items(), key=lambda kv: producers[kv[0]]):
+        chain = recompute_chain(graph, v, kept - {v})
+        if chain is None:
+            continue
+        flops = sympy.expand(sum((nodes[i].flops for i in chain), sympy.Integer(0)))
+        p = producers[v]
+        out.append(Residual(v, p, nodes[p].primitive, clean_scope(nodes[p].scope),
+                            graph.values[v].nbytes, first, chain, flops))
+    return tuple(out)
+
+
+def recompute_chain(graph: Graph, value: int, leaves: set[int]) -> tuple[int, ...] | None:
+    """Forward nodes that recompute ``value`` from ``leaves``; None when impossible."""
+    producers = graph.producers
+    nodes = graph.nodes
+    need: set[int] = set()
+    stack = [value]
+    seen: set[int] = set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v in leaves and v != value:
+            continue
+        p = producers.get(v)
+        if p is None:
+            return None  # a constant or an input we cannot recompute
+        n = nodes[p]
+        if not is_forward(n.scope) or n.kind == "control" or n.eqn is None:
+            return None  # only plain forward ops are recomputed
+        if n.primitive in _RANDOM:
+            return None
+        need.add(p)
+        stack.extend(n.inputs)
+    return tuple(sorted(need))
+
+
+_RANDOM = frozenset("rng_bit_generator rng_uniform random_bits threefry2x32 "
+                    "pure_callback io_callback".split())
