@@ -218,7 +218,8 @@ def parse_shape(text: str) -> tuple[Shape, int]:
     dims = tuple(int(re.sub(r"[^0-9]", "", d) or 0) for d in match.group(2).split(",") if d)
     layout = (match.group(3) or "{}")[1:-1]
     space = re.search(r"S\((\d+)\)", layout)
-    return ArrayShape(match.group(1), dims, layout, int(space.group(1)) if space else 0), match.end()
+    memory_space = int(space.group(1)) if space else 0
+    return ArrayShape(match.group(1), dims, layout, memory_space), match.end()
 
 
 def _parse_attrs(text: str) -> dict[str, str]:
@@ -304,7 +305,7 @@ def parse_hlo_module(text: str) -> HloModuleText:
             computations[name] = Computation(name, tuple(current), is_entry)
             entry_name = name if is_entry else entry_name
             current = None
-        elif line.strip():
+        elif _INSTR.match(line):  # anything else (comments, blank lines) is not ours
             current.append(parse_instruction(line))
     if not entry_name:
         raise ValueError("no ENTRY computation in HLO text")

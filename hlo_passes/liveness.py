@@ -6,8 +6,9 @@ one instruction at one shape index. Instructions that only forward buffers
 tuple) define no new value; their outputs are further *positions* of their
 operands' values, which keeps those values alive for as long as the forwarding
 instruction's output is used. Live ranges are closed intervals of positions in
-the computation's schedule, with XLA's conventions: entry parameters live for
-the whole program, values reaching the ROOT live to its end.
+the computation's schedule, with XLA's conventions (checked against XLA's own
+HloLiveRange dump in the tests): entry parameters live for the whole program
+unless donated, values reaching the ROOT live to its end.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from hlo_passes.hlo_text import (
     Instruction,
     Shape,
     ShapeIndex,
-    TupleShape,
     shape_indices,
     subshape,
 )
 
 # Instructions whose output is their operand's buffer (no allocation of their own).
-FORWARDING = frozenset({"bitcast", "optimization-barrier", "domain", "add-dependency"})
+FORWARDING = frozenset(
+    {"bitcast", "opt-barrier", "optimization-barrier", "domain", "add-dependency"})
 # Elementwise opcodes: an output may overwrite a same-shaped operand in place.
 ELEMENTWISE = frozenset({
     "abs", "add", "and", "atan2", "bitcast-convert", "cbrt", "ceil", "clamp", "clz",
@@ -129,13 +130,17 @@ def analyze(module: HloModuleText, comp: Computation) -> Liveness:
                 trees[ins.name] = {i: define(ins, pos, i) for i in shape_indices(ins.shape)}
 
     live_out = set(trees.get(comp.root.name, {}).values())
+    donated_params = {(a.parameter, a.parameter_index) for a in module.input_output_alias}
     values = []
     for vid, (ins, index, shape) in enumerate(defs):
         start, end = starts[vid], ends[vid]
         if ins.opcode == "parameter":
             kind = "parameter"
             if comp.is_entry:
-                start, end = 0, n - 1
+                # XLA keeps entry parameters for the whole run, except donated ones,
+                # whose bytes are free for reuse after their last use.
+                donated = (ins.parameter_number, index) in donated_params
+                start, end = 0, end if donated else n - 1
         elif ins.opcode == "constant":
             kind = "constant"
         elif vid in live_out:
@@ -196,13 +201,13 @@ def _elementwise_uses(comp: Computation, param: str) -> bool:
 
 def _aliasing_attr(ins: Instruction) -> list[tuple[ShapeIndex, int, ShapeIndex]]:
     """Parse ``output_to_operand_aliasing={{0}: (1, {})}`` into (out, operand, index)."""
+    def parse(s: str) -> ShapeIndex:
+        return tuple(int(x) for x in s.split(",") if x.strip())
+
     text = ins.attrs.get("output_to_operand_aliasing", "")
-    out = []
-    for m in re.finditer(r"\{([\d,\s]*)\}\s*:\s*\(\s*(\d+)\s*,\s*\{([\d,\s]*)\}", text):
-        def parse(s: str) -> ShapeIndex:
-            return tuple(int(x) for x in s.split(",") if x.strip())
-        out.append((parse(m.group(1)), int(m.group(2)), parse(m.group(3))))
-    return out
+    pattern = r"\{([\d,\s]*)\}\s*:\s*\(\s*(\d+)\s*,\s*\{([\d,\s]*)\}"
+    return [(parse(m.group(1)), int(m.group(2)), parse(m.group(3)))
+            for m in re.finditer(pattern, text)]
 
 
 def in_place_operands(module: HloModuleText, ins: Instruction,
@@ -236,30 +241,3 @@ def in_place_operands(module: HloModuleText, ins: Instruction,
         if ins.attrs.get("kind") in ("kLoop", "kInput"):
             pairs.extend((k, ()) for p, k in params.items() if _elementwise_uses(body, p))
     return pairs
-
-
-def computation_temp_peak(module: HloModuleText, name: str, depth: int = 0) -> int:
-    """Most bytes of temporaries ``name`` holds at once (nested calls included).
-
-    Parameters and values reaching the root are excluded: they are the caller's
-    buffers (a while loop's state, a conditional's or call's result).
-    """
-    comp = module.computations.get(name)
-    if comp is None or depth > 16:
-        return 0
-    live = analyze(module, comp)
-    delta = [0] * (live.length + 1)
-    nested = [0] * live.length
-    for v in live.values:
-        if v.kind == "temp":
-            delta[v.start] += v.size_bytes
-            delta[v.end + 1] -= v.size_bytes
-    for pos, ins in enumerate(comp.instructions):
-        if ins.opcode in CALLERS:
-            nested[pos] = max((computation_temp_peak(module, c, depth + 1) for c in ins.called),
-                              default=0)
-    peak = running = 0
-    for pos in range(live.length):
-        running += delta[pos]
-        peak = max(peak, running + nested[pos])
-    return peak

@@ -89,18 +89,25 @@ def analyze_specs(fun: Callable[..., Any], static: tuple[Any, ...], dynamic: tup
     poly = _spec_for(polymorphic_shapes, static_argnums, n_args)
     leaves_with_path = jax.tree_util.tree_flatten_with_path(dynamic)[0]
     for path, leaf in leaves_with_path:
-        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+        if not _is_arraylike(leaf):
             raise ShapeOutOfRangeError(
                 f"argument args{jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an "
-                "array; pass arrays or jax.ShapeDtypeStruct (or mark it in static_argnums)")
+                "array; pass arrays, Python scalars or jax.ShapeDtypeStruct (or mark it in "
+                "static_argnums)")
+    examples = jax.tree_util.tree_map(_as_struct, dynamic)
     try:
-        specs = jax.export.symbolic_args_specs(dynamic, poly, constraints=tuple(constraints))
-    except (ValueError, TypeError) as e:
-        raise ShapeOutOfRangeError(f"polymorphic_shapes {polymorphic_shapes!r} do not match the "
-                                   f"arguments: {e}") from e
+        specs = jax.export.symbolic_args_specs(examples, poly, constraints=tuple(constraints))
     except Exception as e:  # jax's shape_poly parse errors are plain subclasses of Exception
         raise ShapeOutOfRangeError(f"cannot use polymorphic_shapes {polymorphic_shapes!r} with "
-                                   f"constraints {tuple(constraints)!r}: {e}") from e
+                                   f"constraints {tuple(constraints)!r} on these arguments: "
+                                   f"{e}") from e
+    spec_leaves = jax.tree_util.tree_leaves(specs)
+    for (path, leaf), spec in zip(leaves_with_path, spec_leaves, strict=True):
+        shape = tuple(getattr(leaf, "shape", ()))
+        if len(spec.shape) != len(shape):
+            raise ShapeOutOfRangeError(
+                f"args{jax.tree_util.keystr(path)} has rank {len(shape)} (shape {shape}), but "
+                f"polymorphic_shapes declares {_fmt(spec.shape)} of rank {len(spec.shape)}")
 
     def flat_fn(*dyn: Any) -> Any:
         return fun(*merge_args(static_argnums, static, dyn))
@@ -117,6 +124,18 @@ def analyze_specs(fun: Callable[..., Any], static: tuple[Any, ...], dynamic: tup
     paths = tuple(f"args{jax.tree_util.keystr(p)}" for p, _ in leaves_with_path)
     return Analysis(flat_fn, tuple(specs), tuple(traced.in_avals), paths, traced, graph, domain,
                     plans, orders, donated, donate_dynamic)
+
+
+def _is_arraylike(x: Any) -> bool:
+    return (hasattr(x, "shape") and hasattr(x, "dtype")) or (
+        isinstance(x, (int, float, complex, np.number)))
+
+
+def _as_struct(x: Any) -> Any:
+    """Python scalars become weakly typed scalar specs, as ``jax.jit`` treats them."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return x
+    return jax.ShapeDtypeStruct((), jax.numpy.asarray(x).dtype, weak_type=True)
 
 
 def _flat_indices(dynamic: Sequence[Any], positions: Sequence[int]) -> tuple[int, ...]:
@@ -182,6 +201,45 @@ def bind_dims(analysis: Analysis, dynamic: Sequence[Any]) -> dict[str, int]:
     if problem:
         raise ShapeOutOfRangeError(problem)
     return dims
+
+
+def local_dims(analysis: Analysis, dims: dict[str, int],
+               shardings: Sequence[Any]) -> dict[str, int]:
+    """Per-device dims: a dim an argument is sharded along counts its shard's extent.
+
+    With the batch of a data-parallel step split over n devices, each device sees
+    ``b / n`` rows, so per-device predictions evaluate the symbolic peak there.
+
+    Args:
+        analysis: the analysis.
+        dims: global dim values (from :func:`bind_dims`).
+        shardings: one ``jax.sharding.Sharding`` (or None) per flat dynamic leaf.
+    """
+    out = dict(dims)
+    if len(shardings) != len(analysis.flat_specs):
+        return out
+    for spec, sh in zip(analysis.flat_specs, shardings, strict=True):
+        shard_shape = getattr(sh, "shard_shape", None)
+        if shard_shape is None or not spec.shape:
+            continue
+        names = [str(d) if not isinstance(d, (int, np.integer)) else None for d in spec.shape]
+        if any(n is not None and (not n.isidentifier() or n not in dims) for n in names):
+            continue
+        shape = tuple(dims[n] if n is not None else int(d)
+                      for n, d in zip(names, spec.shape, strict=True))
+        try:
+            local = shard_shape(shape)
+        except Exception:  # a sharding that does not divide this shape: keep global dims
+            continue
+        for n, g, loc in zip(names, shape, local, strict=True):
+            if n is not None and loc < g:
+                out[n] = min(out[n], int(loc))
+    return out
+
+
+def arg_shardings(dynamic: Sequence[Any]) -> list[Any]:
+    """The sharding each flat dynamic argument already has (None for host values)."""
+    return [getattr(x, "sharding", None) for x in jax.tree_util.tree_leaves(dynamic)]
 
 
 def _fmt(shape: Sequence[Any]) -> str:

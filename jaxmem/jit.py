@@ -29,8 +29,8 @@ from typing import Any
 
 import jax
 
-from jaxmem._errors import BudgetInfeasibleError, ShapeOutOfRangeError
-from jaxmem.dispatch import Analysis, analyze_specs, bind_dims
+from jaxmem._errors import BudgetInfeasibleError, JaxmemError, ShapeOutOfRangeError
+from jaxmem.dispatch import Analysis, analyze_specs, arg_shardings, bind_dims, local_dims
 from jaxmem.plan.plan import Plan, compile_level
 from jaxmem.schedulers import MemoryAware, Scheduler
 
@@ -58,11 +58,39 @@ _SPEC = re.compile(r"^[\s\w,+*\-/()^.]*$")
 
 
 def _check_shapes(polymorphic_shapes: Any) -> Any:
-    for leaf in jax.tree_util.tree_leaves(polymorphic_shapes):
+    """Rejects entries that are not ``None`` or a dims string (ShapeOutOfRangeError)."""
+    entries = ((polymorphic_shapes,) if isinstance(polymorphic_shapes, str)
+               else polymorphic_shapes)
+    leaves = jax.tree_util.tree_flatten_with_path(entries)[0] if entries is not None else []
+    for path, leaf in leaves:
         if not isinstance(leaf, str) or not _SPEC.match(leaf):
-            raise ValueError(f"polymorphic_shapes entries must be strings like 'b, s' or None, "
-                             f"got {leaf!r}")
+            raise ShapeOutOfRangeError(
+                f"polymorphic_shapes{jax.tree_util.keystr(path)} must be None or a string of "
+                f"dims like 'b, s', got {leaf!r}")
     return polymorphic_shapes
+
+
+def is_resource_exhausted(err: BaseException) -> bool:
+    """True for XLA's out-of-memory error at run time (``RESOURCE_EXHAUSTED``)."""
+    return isinstance(err, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(err)
+
+
+#: On a run-time out-of-memory error jaxmem re-plans with the failed plan's XLA peak
+#: times this factor as the budget and retries the call once.
+RETRY_BUDGET_FACTOR = 0.9
+
+
+def _consumed(args: Sequence[Any], argnums: Sequence[int]) -> list[str]:
+    """Paths of donated array leaves that a failed call already deleted."""
+    out = []
+    for i in argnums:
+        if i >= len(args):
+            continue
+        for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+            deleted = getattr(leaf, "is_deleted", None)
+            if deleted is not None and deleted():
+                out.append(f"args[{i}]{jax.tree_util.keystr(path)}")
+    return out
 
 
 class Jitted:
@@ -71,6 +99,8 @@ class Jitted:
     Attributes:
         budget_bytes: the memory budget (per device), or None.
         scheduler: the scheduling strategy.
+        retries: how many calls ran out of device memory (XLA ``RESOURCE_EXHAUSTED``)
+            and were re-planned at 0.9 x the failed plan's peak and run again.
     """
 
     def __init__(self, fun: Callable[..., Any], *, polymorphic_shapes: Any = None,
@@ -99,6 +129,7 @@ class Jitted:
         self._plans: dict[Any, Plan] = {}
         self._lock = threading.RLock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.retries = 0
         functools.update_wrapper(self, fun)
 
     def __repr__(self) -> str:
@@ -158,31 +189,75 @@ class Jitted:
             self._analyses[akey] = a
         return a
 
-    def _make_plan(self, static: tuple[Any, ...], dynamic: tuple[Any, ...]) -> Plan:
+    def _make_plan(self, static: tuple[Any, ...], dynamic: tuple[Any, ...],
+                   budget: int | None = None, skip: frozenset[int] = frozenset()) -> Plan:
+        """Compiles the fastest level whose XLA peak fits ``budget`` (default: the budget)."""
+        budget = self.budget_bytes if budget is None else budget
         analysis = self._analysis(static, dynamic)
         dims = bind_dims(analysis, dynamic)
-        start = analysis.plans.choose(dims, self.budget_bytes)
+        start = analysis.plans.choose(local_dims(analysis, dims, arg_shardings(dynamic)), budget)
         tried: list[Plan] = []
-        for k in range(start, len(analysis.plans.levels)):
-            plan = compile_level(analysis, k, dims, static, dynamic, self)
+
+        def attempt(k: int) -> Plan | None:
+            if k in skip:
+                return None
+            plan = compile_level(analysis, k, dims, static, dynamic, self, budget)
             tried.append(plan)
-            if self.budget_bytes is None or plan.peak_bytes <= self.budget_bytes:
+            return plan if budget is None or plan.peak_bytes <= budget else None
+
+        for k in range(start, len(analysis.plans.levels)):
+            if (plan := attempt(k)) is not None:
                 return plan
+        # The guard skipped cheaper levels; XLA may still fit one of them.
+        for k in range(start - 1, -1, -1):
+            if (plan := attempt(k)) is not None:
+                return plan
+        if not tried:
+            raise BudgetInfeasibleError(f"no plan is left to try at {dims}", min_peak_bytes=0,
+                                        budget_bytes=budget)
         best = min(tried, key=lambda p: p.peak_bytes)
-        if best.level > 0 and start > 0:
-            # The guard skipped cheaper levels; XLA may still fit one of them.
-            for k in range(start - 1, -1, -1):
-                plan = compile_level(analysis, k, dims, static, dynamic, self)
-                if plan.peak_bytes <= self.budget_bytes:
-                    return plan
         raise BudgetInfeasibleError(
-            f"no plan fits budget_bytes={self.budget_bytes} at {dims}: the best plan "
+            f"no plan fits budget_bytes={budget} at {dims}: the best plan "
             f"(level {best.level}, recomputing {', '.join(best.recompute) or 'nothing'}) needs "
-            f"{best.peak_bytes} bytes", min_peak_bytes=best.peak_bytes,
-            budget_bytes=self.budget_bytes)
+            f"{best.peak_bytes} bytes (XLA memory_analysis)", min_peak_bytes=best.peak_bytes,
+            budget_bytes=budget)
 
     def __call__(self, *args: Any) -> Any:
-        return self.plan_for(*args).run(*args)
+        plan = self.plan_for(*args)
+        try:
+            return plan.run(*args)
+        except jax.errors.JaxRuntimeError as e:
+            if not is_resource_exhausted(e):
+                raise
+            return self._retry(plan, args, e)
+
+    def _retry(self, failed: Plan, args: tuple[Any, ...], err: Exception) -> Any:
+        """Re-plans below the failed plan's peak and runs the call once more.
+
+        A call that failed before it ran leaves donated inputs intact; if XLA had
+        already consumed one, the step cannot be repeated and jaxmem says so.
+        """
+        gone = _consumed(args, self.donate_argnums)
+        if gone:
+            raise JaxmemError(
+                f"XLA ran out of memory (RESOURCE_EXHAUSTED) running plan level {failed.level} "
+                f"(XLA peak {failed.peak_bytes} bytes) and had already consumed the donated "
+                f"inputs {', '.join(gone)}, so the step cannot be retried") from err
+        budget = max(1, int(failed.peak_bytes * RETRY_BUDGET_FACTOR))
+        static, dynamic = self._split(args)
+        key = self._key(static, dynamic)
+        with self._lock:
+            try:
+                plan = self._make_plan(static, dynamic, budget, skip=frozenset({failed.level}))
+            except BudgetInfeasibleError as e2:
+                raise BudgetInfeasibleError(
+                    f"XLA ran out of memory (RESOURCE_EXHAUSTED) running plan level "
+                    f"{failed.level} (XLA peak {failed.peak_bytes} bytes), and no plan fits "
+                    f"{budget} bytes (0.9 x that peak): {e2}", min_peak_bytes=e2.min_peak_bytes,
+                    budget_bytes=budget) from err
+            self._plans[key] = plan
+        self.retries += 1
+        return plan.run(*args)
 
     def precompile(self, shapes: Iterable[Sequence[Any]], background: bool = True
                    ) -> list[concurrent.futures.Future[Plan]]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import sympy
@@ -66,7 +67,8 @@ class MemoryModel:
         alias_bytes: output bytes that reuse donated arguments.
         temp_bytes: most temporary bytes live at once (a ``Max`` over program points).
         peak_bytes: ``argument + output - alias + temp``.
-        timeline: temporary bytes live at each order position.
+        points: temporary bytes live at each order position (monomial, coefficient pairs);
+            ``timeline`` has them as sympy expressions.
         candidates: order positions whose live set can be the maximum somewhere.
         comparisons: how the pruning comparisons were decided.
     """
@@ -77,9 +79,14 @@ class MemoryModel:
     alias_bytes: sympy.Expr
     temp_bytes: sympy.Expr
     peak_bytes: sympy.Expr
-    timeline: tuple[sympy.Expr, ...]
+    points: tuple[tuple[tuple[sympy.Expr, sympy.Expr], ...], ...] = dataclasses.field(repr=False)
     candidates: tuple[int, ...]
     comparisons: tuple[tuple[str, int], ...]
+
+    @functools.cached_property
+    def timeline(self) -> tuple[sympy.Expr, ...]:
+        """Temporary bytes live at each order position, as sympy expressions."""
+        return tuple(_to_expr(dict(p)) for p in self.points)
 
 
 def _materialised(graph: Graph) -> dict[int, int]:
@@ -213,11 +220,16 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
 
 
 def _lin(e: sympy.Expr) -> LinExpr:
+    return dict(_lin_cached(e))
+
+
+@functools.lru_cache(maxsize=16384)
+def _lin_cached(e: sympy.Expr) -> tuple[tuple[sympy.Expr, sympy.Expr], ...]:
     out: LinExpr = {}
     for term in sympy.Add.make_args(sympy.expand(e)):
         c, m = term.as_coeff_Mul()
         out[m] = out.get(m, 0) + c
-    return out
+    return tuple(out.items())
 
 
 def _to_expr(d: LinExpr) -> sympy.Expr:
@@ -295,7 +307,7 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
     outs = sympy.Add(*[b.nbytes for b in buffers if b.kind == "output"])
     alias = _alias_bytes(graph, donated)
     return MemoryModel(buffers, args, outs, alias, temp, args + outs - alias + temp,
-                       tuple(_to_expr(p) for p in points), tuple(candidates),
+                       tuple(tuple(p.items()) for p in points), tuple(candidates),
                        tuple(sorted(tally.items())))
 
 
@@ -303,9 +315,9 @@ def _frontier(points: list[LinExpr], dom: ShapeDomain, tally: collections.Counte
               symbolic: bool) -> list[int]:
     """Positions whose live bytes may be the maximum somewhere in the domain."""
     keep: list[int] = []
-    seen: set[tuple] = set()
+    seen: set[frozenset] = set()
     for p, pt in enumerate(points):
-        key = tuple(sorted((str(m), c) for m, c in pt.items()))
+        key = frozenset(pt.items())
         if key in seen:
             continue
         seen.add(key)

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import fractions
+import functools
 import itertools
 import math
 import random
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import sympy
@@ -67,7 +69,8 @@ class Split:
         if getattr(at, "is_Integer", False):
             return (f"{self.below.name} iff {self.symbol} < {at}, EQ at {self.symbol} = {at}, "
                     f"{self.above.name} iff {self.symbol} > {at}")
-        return f"{self.below.name} iff {self.symbol} < {at}, {self.above.name} iff {self.symbol} > {at}"
+        return (f"{self.below.name} iff {self.symbol} < {at}, "
+                f"{self.above.name} iff {self.symbol} > {at}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +259,22 @@ def _parse_constraint(text: str) -> sympy.Expr:
 # --- comparisons -------------------------------------------------------------------------
 
 
+def _coefficient_sign(diff: sympy.Expr) -> Cmp | None:
+    """Sign from coefficients alone: every monomial of dims is >= 1 on the domain."""
+    coeffs = _coeffs(diff)
+    if coeffs is None or any(not getattr(m, "is_Mul", False) and not getattr(m, "is_Symbol", False)
+                             and not getattr(m, "is_Pow", False) and m != 1 for m in coeffs):
+        return None
+    if any(not (m == 1 or m.is_polynomial()) for m in coeffs):
+        return None
+    vals = list(coeffs.values())
+    if all(c >= 0 for c in vals):
+        return Cmp.EQ if all(c == 0 for c in vals) else Cmp.GT
+    if all(c <= 0 for c in vals):
+        return Cmp.LT
+    return None
+
+
 def _sign_from_shift(poly_expr: sympy.Expr, dom: ShapeDomain) -> int | None:
     """Sign of a polynomial on the box: +1 (>0), 0 (>=0 with equality possible), -1, or None.
 
@@ -383,12 +402,42 @@ def _symbolic(diff: sympy.Expr, dom: ShapeDomain) -> Comparison | None:
     return None
 
 
+@functools.lru_cache(maxsize=64)
+def _samples(dom: ShapeDomain) -> tuple[tuple[int, ...], ...]:
+    pts = dom.sample_points()
+    return tuple(tuple(p[n] for n in dom.symbols) for p in pts)
+
+
+def _evaluator(diff: sympy.Expr, dom: ShapeDomain) -> Callable[[tuple[int, ...]], Any]:
+    syms = [sym(n) for n in dom.symbols]
+    try:
+        terms = sympy.Poly(diff, *syms).terms() if syms else [((), diff)]
+    except sympy.PolynomialError:
+        terms = None
+    if terms is not None and all(c.is_Rational for _, c in terms):
+        ts = [(tuple(int(e) for e in mon), int(c) if c.is_Integer else fractions.Fraction(
+                  int(c.p), int(c.q))) for mon, c in terms]
+
+        def poly(point: tuple[int, ...]) -> Any:
+            total = 0
+            for mon, c in ts:
+                term = c
+                for x, e in zip(point, mon, strict=True):
+                    if e:
+                        term *= x ** e
+                total += term
+            return total
+
+        return poly
+    fn = sympy.lambdify(syms, diff, modules=["math"])
+    return lambda point: fn(*point)
+
+
 def _sampled(diff: sympy.Expr, dom: ShapeDomain) -> Comparison:
-    names = [n for n in dom.symbols if sym(n) in diff.free_symbols]
-    fn = sympy.lambdify([sym(n) for n in names], diff, modules=["math"])
+    ev = _evaluator(diff, dom)
     signs = set()
-    for p in dom.sample_points():
-        v = fn(*[p[n] for n in names])
+    for p in _samples(dom):
+        v = ev(p)
         signs.add((v > 0) - (v < 0))
     if signs == {1}:
         r = Cmp.GT
@@ -418,8 +467,55 @@ def compare(a: Any, b: Any, dom: ShapeDomain, *, symbolic: bool = True) -> Compa
         A :class:`Comparison`; never raises for non-polynomial expressions
         (floor, Mod, Max, Min go to the sampling fallback).
     """
-    diff = sympy.expand(sympy.sympify(a) - sympy.sympify(b))
+    a, b = sympy.sympify(a), sympy.sympify(b)
     if symbolic:
+        pieces = _compare_max(a, b, dom)
+        if pieces is not None:
+            return pieces
+    diff = sympy.expand(a - b)
+    return _compare_diff(diff, dom, symbolic)
+
+
+def _max_args(e: sympy.Expr) -> list[sympy.Expr]:
+    """``c + Max(x, y)`` as ``[c + x, c + y]``; any other expression as ``[e]``."""
+    if isinstance(e, sympy.Max):
+        return list(e.args)
+    if isinstance(e, sympy.Add):
+        maxes = [t for t in e.args if isinstance(t, sympy.Max)]
+        if len(maxes) == 1:
+            rest = e - maxes[0]
+            return [sympy.expand(rest + x) for x in maxes[0].args]
+    return [e]
+
+
+def _compare_max(a: sympy.Expr, b: sympy.Expr, dom: ShapeDomain) -> Comparison | None:
+    """Sound rules for maxima: ``max(A) >= max(B)`` if every b is below some a."""
+    xs, ys = _max_args(a), _max_args(b)
+    if len(xs) == 1 and len(ys) == 1:
+        return None
+    if any(not x.is_polynomial() for x in xs + ys):
+        return None
+
+    def le(u: sympy.Expr, v: sympy.Expr) -> bool:
+        return _compare_diff(sympy.expand(u - v), dom, True).result in (Cmp.LT, Cmp.LE, Cmp.EQ)
+
+    a_ge = all(any(le(y, x) for x in xs) for y in ys)
+    a_le = all(any(le(x, y) for y in ys) for x in xs)
+    if a_ge and a_le:
+        return Comparison(Cmp.EQ, None, "symbolic")
+    if a_ge:
+        return Comparison(Cmp.GE, None, "symbolic")
+    if a_le:
+        return Comparison(Cmp.LE, None, "symbolic")
+    return None
+
+
+@functools.lru_cache(maxsize=8192)
+def _compare_diff(diff: sympy.Expr, dom: ShapeDomain, symbolic: bool) -> Comparison:
+    if symbolic:
+        quick = _coefficient_sign(diff)
+        if quick is not None:
+            return Comparison(quick, None, "symbolic")
         try:
             c = _symbolic(diff, dom)
         except (sympy.PolynomialError, sympy.polys.polyerrors.PolificationFailed,

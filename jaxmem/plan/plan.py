@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from jaxmem.dispatch import local_dims
 from jaxmem.graph import JaxmemWarning, build_graph
 from jaxmem.plan.remat import apply_remat
 from jaxmem.plan.residuals import find_residuals
@@ -78,6 +79,8 @@ class Plan:
                  f"{_mib(self.peak_bytes)}, {budget}"]
         if self.guard:
             lines.append(f"  why: {self.guard}")
+        if not self.recompute:
+            lines.append("  recompute nothing")
         for g in self.recompute:
             lines.append(f"  recompute {g}")
         for g in self.saved:
@@ -92,11 +95,20 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _as_struct(x: Any) -> jax.ShapeDtypeStruct:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.ShapeDtypeStruct((), jax.numpy.asarray(x).dtype, weak_type=True)
+
+
 def compile_level(analysis: Analysis, k: int, dims: dict[str, int], static: tuple[Any, ...],
-                  dynamic: tuple[Any, ...], jitted: Any) -> Plan:
-    """Applies level ``k`` to the concrete trace at ``dims`` and compiles it."""
+                  dynamic: tuple[Any, ...], jitted: Any, budget: int | None = None) -> Plan:
+    """Applies level ``k`` to the concrete trace at ``dims`` and compiles it.
+
+    ``budget`` overrides ``jitted.budget_bytes`` (a re-plan after an out-of-memory error).
+    """
     level = analysis.plans.levels[k]
-    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(dynamic)]
+    avals = [_as_struct(x) for x in jax.tree_util.tree_leaves(dynamic)]
     tree = jax.tree_util.tree_structure(dynamic)
     closed, out_shape = jax.make_jaxpr(analysis.flat_fn, return_shape=True)(
         *jax.tree_util.tree_unflatten(tree, avals))
@@ -127,8 +139,9 @@ def compile_level(analysis: Analysis, k: int, dims: dict[str, int], static: tupl
     lowered = jax.jit(run, **kwargs).lower(*dynamic)
     compiled = lowered.compile(compiler_options=compiler_options())
     all_groups = [g for g, _ in analysis.plans.groups]
-    predicted = level.peak_fn(dims)
-    budget = jitted.budget_bytes
+    flat_shardings = jax.tree_util.tree_leaves(compiled.input_shardings[0])
+    predicted = level.peak_fn(local_dims(analysis, dims, flat_shardings))
+    budget = jitted.budget_bytes if budget is None else budget
     if k == 0:
         guard = ("nothing needs recomputing: the predicted peak fits" if budget is not None
                  and predicted <= budget else "no budget given" if budget is None else

@@ -92,35 +92,23 @@ class PlanSet:
         return len(self.levels) - 1
 
 
-def _rank(groups: dict[str, list[Residual]], dom: ShapeDomain, symbolic: bool,
-          tally: collections.Counter[str]) -> list[str]:
-    """Groups ordered by bytes freed per FLOP recomputed, best first."""
-    stats = {name: (sympy.Add(*[r.nbytes for r in rs]),
-                    sympy.Add(*[r.recompute_flops for r in rs]) + 1) for name, rs in groups.items()}
-    mid = {n: _midpoint(dom, n) for n in dom.symbols}
+def _rank(groups: dict[str, list[Residual]], dom: ShapeDomain) -> list[str]:
+    """Groups ordered by bytes freed per FLOP recomputed, best first.
 
-    def better(a: str, b: str) -> int:
-        (ba, fa), (bb, fb) = stats[a], stats[b]
-        c = compare(ba * fb, bb * fa, dom, symbolic=symbolic)
-        tally[c.decided_by] += 1
-        if c.result in (Cmp.GT, Cmp.GE):
-            return -1
-        if c.result in (Cmp.LT, Cmp.LE):
-            return 1
-        if c.result == Cmp.EQ:
-            return 0
-        tally["fallback"] += 1  # shape-dependent: rank at the domain's middle
-        subs = {sym(n): v for n, v in mid.items()}
-        va, vb = float((ba * fb).subs(subs)), float((bb * fa).subs(subs))
-        return -1 if va > vb else (1 if va < vb else 0)
+    Ranked at the domain's largest corner, where memory is scarcest; the
+    symbolic decisions are made later, when each level's peak is compared with
+    the previous one.
+    """
+    corner = {sym(n): (hi if hi is not None else max(lo, 1024))
+              for n, lo, hi in zip(dom.symbols, dom.lower, dom.upper, strict=True)}
 
-    return sorted(groups, key=functools.cmp_to_key(better))
+    def efficiency(name: str) -> float:
+        rs = groups[name]
+        nbytes = float(sympy.Add(*[r.nbytes for r in rs]).subs(corner))
+        flops = float(sympy.Add(*[r.recompute_flops for r in rs]).subs(corner)) + 1.0
+        return nbytes / flops
 
-
-def _midpoint(dom: ShapeDomain, name: str) -> int:
-    lo, hi = dom.bounds(name)
-    hi = hi if hi is not None else max(lo, 1024)
-    return int(round((lo * hi) ** 0.5))
+    return sorted(groups, key=lambda n: (-efficiency(n), n))
 
 
 def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
@@ -142,7 +130,7 @@ def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
     groups: dict[str, list[Residual]] = {}
     for r in residuals:
         groups.setdefault(r.group, []).append(r)
-    order = _rank(groups, dom, symbolic, tally)
+    order = _rank(groups, dom)
     base = memory_model(graph, dom, donated=donated, symbolic=symbolic)
     levels = [Level((), (), graph, base)]
     chosen: list[Residual] = []

@@ -45,8 +45,9 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual]) -> Graph:
         v for v, _ in graph.consts}
     by_first: dict[int, list[tuple[Residual, tuple[int, ...]]]] = {}
     for r in chosen.values():
-        chain = recompute_chain(graph, r.value, kept)
-        if chain is not None:  # otherwise it stays saved
+        chains = [recompute_chain(graph, v, kept) for v in (r.value, *r.aliases)]
+        if all(c is not None for c in chains):  # otherwise it stays saved
+            chain = tuple(sorted({i for c in chains for i in c}))  # type: ignore[union-attr]
             by_first.setdefault(r.first_use, []).append((r, chain))
     values: list[Value] = list(graph.values)
     nodes: list[Node] = []
@@ -88,7 +89,8 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual]) -> Graph:
                 emit(dataclasses.replace(src, scope=src.scope + "/remat"), ins, ops, outs)
                 local.update(zip(src.outputs, outs, strict=True))
             for r, _ in block:
-                rename[r.value] = local[r.value]
+                for v in (r.value, *r.aliases):
+                    rename[v] = local[v]
         if node.is_backward:
             ins = [rename.get(v, v) for v in node.inputs]
             ops = [None if o is None else rename.get(o, o) for o in node.operands]

@@ -56,6 +56,8 @@ class Residual:
         recompute_nodes: forward node indices needed to recompute it from
             values that stay live anyway (inputs and other residuals).
         recompute_flops: symbolic cost of that recomputation.
+        aliases: fused or view forward values derived from it that the backward
+            pass reads; recomputing the residual recomputes and renames them too.
     """
 
     value: int
@@ -66,6 +68,7 @@ class Residual:
     first_use: int
     recompute_nodes: tuple[int, ...]
     recompute_flops: sympy.Expr
+    aliases: tuple[int, ...] = ()
 
     @property
     def group(self) -> str:
@@ -73,37 +76,80 @@ class Residual:
         return f"{_LAYER.sub('*', self.scope)}:{self.primitive}"
 
 
+def _sources(graph: Graph, owner: dict[int, int], v: int) -> set[int]:
+    """Materialised values whose buffers a fused or view value ``v`` reads."""
+    producers, nodes = graph.producers, graph.nodes
+    out: set[int] = set()
+    stack, seen = [v], set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        o = owner.get(u, u)
+        if o == u:
+            out.add(u)
+            continue
+        if o != -1:
+            stack.append(o)
+            continue
+        p = producers.get(u)
+        if p is not None:
+            stack.extend(nodes[p].inputs)
+    return out
+
+
 def find_residuals(graph: Graph) -> tuple[Residual, ...]:
-    """All residuals of a differentiated graph, in program order of their producers."""
+    """All residuals of a differentiated graph, in program order of their producers.
+
+    A backward read of a fused or view forward value (``1 - tanh(x)**2`` fused
+    into its backward consumer, a reshape of a forward buffer) keeps that value's
+    materialised sources alive: each such source is the residual, and the value
+    read is one of its ``aliases``, recomputed and renamed together with it.
+    """
     owner = _materialised(graph)
     producers = graph.producers
     nodes = graph.nodes
     inputs = set(graph.inputs)
     outputs = set(graph.outputs)
     candidates: dict[int, int] = {}
+    aliases: dict[int, dict[int, None]] = {}
+
+    def forward_buffer(v: int) -> bool:
+        p = producers.get(v)
+        return (p is not None and v not in inputs and v not in outputs
+                and is_forward(nodes[p].scope) and nodes[p].kind != "view")
+
     for n in nodes:
         if not n.is_backward:
             continue
         for v in n.inputs:
             p = producers.get(v)
-            if p is None or v in inputs:
+            if p is None or v in inputs or v in outputs or not is_forward(nodes[p].scope):
                 continue
-            src = owner.get(v, v)
-            if src != v or v in outputs or not is_forward(nodes[p].scope):
+            if owner.get(v, v) == v:
+                if forward_buffer(v):
+                    candidates.setdefault(v, n.index)
                 continue
-            if nodes[p].kind in ("view",):
-                continue
-            candidates.setdefault(v, n.index)
+            for s in _sources(graph, owner, v):
+                if forward_buffer(s):
+                    candidates.setdefault(s, n.index)
+                    candidates[s] = min(candidates[s], n.index)
+                    aliases.setdefault(s, {})[v] = None
     kept = set(candidates) | inputs | {v for v, _ in graph.consts}
     out = []
     for v, first in sorted(candidates.items(), key=lambda kv: producers[kv[0]]):
         chain = recompute_chain(graph, v, kept - {v})
         if chain is None:
             continue
+        al = tuple(a for a in aliases.get(v, {}) if a != v)
+        chains = [recompute_chain(graph, a, kept - {v}) for a in al]
+        if any(c is None for c in chains):
+            continue
         flops = sympy.expand(sum((nodes[i].flops for i in chain), sympy.Integer(0)))
         p = producers[v]
         out.append(Residual(v, p, nodes[p].primitive, clean_scope(nodes[p].scope),
-                            graph.values[v].nbytes, first, chain, flops))
+                            graph.values[v].nbytes, first, chain, flops, al))
     return tuple(out)
 
 
