@@ -34,7 +34,7 @@ import sympy
 
 from jaxmem.graph import Graph
 from jaxmem.memory import MemoryModel, memory_model
-from jaxmem.plan.remat import apply_remat
+from jaxmem.plan.remat import apply_remat, recompute_chains
 from jaxmem.plan.residuals import Residual, find_residuals
 from jaxmem.symbolic import Cmp, ShapeDomain, compare, sym
 
@@ -92,23 +92,25 @@ class PlanSet:
         return len(self.levels) - 1
 
 
-def _rank(groups: dict[str, list[Residual]], dom: ShapeDomain) -> list[str]:
-    """Groups ordered by bytes freed per FLOP recomputed, best first.
+def _corner(dom: ShapeDomain) -> dict[sympy.Symbol, int]:
+    return {sym(n): (hi if hi is not None else max(lo, 1024))
+            for n, lo, hi in zip(dom.symbols, dom.lower, dom.upper, strict=True)}
 
-    Ranked at the domain's largest corner, where memory is scarcest; the
-    symbolic decisions are made later, when each level's peak is compared with
-    the previous one.
+
+def _efficiency(graph: Graph, chosen: list[Residual], group: list[Residual],
+                corner: dict[sympy.Symbol, int]) -> float:
+    """Bytes freed per FLOP re-run if ``group`` joins ``chosen``, at the domain's corner.
+
+    Chains are taken relative to what stays saved, so a group whose residuals
+    would have to be rebuilt from other recomputed ones costs what it really costs.
     """
-    corner = {sym(n): (hi if hi is not None else max(lo, 1024))
-              for n, lo, hi in zip(dom.symbols, dom.lower, dom.upper, strict=True)}
-
-    def efficiency(name: str) -> float:
-        rs = groups[name]
-        nbytes = float(sympy.Add(*[r.nbytes for r in rs]).subs(corner))
-        flops = float(sympy.Add(*[r.recompute_flops for r in rs]).subs(corner)) + 1.0
-        return nbytes / flops
-
-    return sorted(groups, key=lambda n: (-efficiency(n), n))
+    chains = [c for r, c in recompute_chains(graph, chosen + group) if r in group]
+    if not chains:
+        return 0.0
+    nodes = {i for c in chains for i in c}
+    flops = float(sympy.Add(*[graph.nodes[i].flops for i in nodes]).subs(corner)) + 1.0
+    freed = float(sympy.Add(*[r.nbytes for r in group]).subs(corner))
+    return freed / flops
 
 
 def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
@@ -130,15 +132,23 @@ def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
     groups: dict[str, list[Residual]] = {}
     for r in residuals:
         groups.setdefault(r.group, []).append(r)
-    order = _rank(groups, dom)
     base = memory_model(graph, dom, donated=donated, symbolic=symbolic)
     levels = [Level((), (), graph, base)]
     chosen: list[Residual] = []
     names: list[str] = []
-    for name in order:
-        if len(levels) > max_levels:
-            break
-        trial = chosen + groups[name]
+    remaining = dict(groups)
+    corner = _corner(dom)
+    order: list[str] = []
+    # Greedy: the group that frees most bytes per re-run FLOP, given what is
+    # already recomputed; kept only if it lowers the symbolic peak somewhere.
+    while remaining and len(levels) <= max_levels:
+        scores = {n: _efficiency(graph, chosen, list(rs), corner) for n, rs in remaining.items()}
+        name = max(sorted(remaining), key=lambda n: scores[n])
+        group = remaining.pop(name)
+        order.append(name)
+        if scores[name] <= 0.0:
+            continue
+        trial = chosen + list(group)
         g2 = apply_remat(graph, trial)
         m = memory_model(g2, dom, donated=donated, symbolic=symbolic)
         c = compare(m.peak_bytes, levels[-1].memory.peak_bytes, dom, symbolic=symbolic)
@@ -148,6 +158,7 @@ def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
         chosen, names = trial, names + [name]
         flops = sympy.Add(*[r.recompute_flops for r in chosen])
         levels.append(Level(tuple(names), tuple(chosen), g2, m, flops))
+    order.extend(sorted(remaining))
     for k, v in base.comparisons:
         tally[k] += v
     return PlanSet(dom, tuple((n, tuple(groups[n])) for n in order), tuple(levels),

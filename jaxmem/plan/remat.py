@@ -28,6 +28,29 @@ from jaxmem.graph import Graph, Node, Value
 from jaxmem.plan.residuals import Residual, find_residuals, recompute_chain
 
 
+def recompute_chains(graph: Graph, recompute: Iterable[Residual]
+                     ) -> list[tuple[Residual, tuple[int, ...]]]:
+    """The residuals that will really be recomputed, each with the forward nodes it re-runs.
+
+    Chains start from values that stay live anyway (inputs, constants, residuals
+    not being recomputed). A residual whose chain cannot be built, or is long
+    (more than a few materialising ops: it would re-run whole layers), stays saved.
+    """
+    chosen = {r.value: r for r in recompute}
+    if not chosen:
+        return []
+    kept = ({r.value for r in find_residuals(graph)} - set(chosen)) | set(graph.inputs) | {
+        v for v, _ in graph.consts}
+    out = []
+    for r in chosen.values():
+        chains = [recompute_chain(graph, v, kept) for v in (r.value, *r.aliases)]
+        if all(c is not None for c in chains):
+            chain = tuple(sorted({i for c in chains for i in c}))  # type: ignore[union-attr]
+            if _cheap(graph, chain, r):
+                out.append((r, chain))
+    return out
+
+
 def apply_remat(graph: Graph, recompute: Iterable[Residual]) -> Graph:
     """Rewrites ``graph`` so that the given residuals are recomputed, not kept.
 
@@ -38,21 +61,16 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual]) -> Graph:
     Returns:
         The rewritten graph, nodes in execution order.
     """
-    chosen = {r.value: r for r in recompute}
-    if not chosen:
+    chains = recompute_chains(graph, recompute)
+    if not chains:
         return graph
-    kept = ({r.value for r in find_residuals(graph)} - set(chosen)) | set(graph.inputs) | {
-        v for v, _ in graph.consts}
     by_first: dict[int, list[tuple[Residual, tuple[int, ...]]]] = {}
-    for r in chosen.values():
-        chains = [recompute_chain(graph, v, kept) for v in (r.value, *r.aliases)]
-        if all(c is not None for c in chains):  # otherwise it stays saved
-            chain = tuple(sorted({i for c in chains for i in c}))  # type: ignore[union-attr]
-            by_first.setdefault(r.first_use, []).append((r, chain))
+    for r, chain in chains:
+        by_first.setdefault(r.first_use, []).append((r, chain))
     values: list[Value] = list(graph.values)
     nodes: list[Node] = []
     rename: dict[int, int] = {}  # residual value -> its clone, once made
-    last_backward_out: int | None = None
+    last_out: int | None = None  # latest value made before the current node
     producers = graph.producers
 
     def new_value(like: int) -> int:
@@ -72,9 +90,11 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual]) -> Graph:
             made = {o for i in chain for o in graph.nodes[i].outputs}
             leaves = list(dict.fromkeys(v for i in chain for v in graph.nodes[i].inputs
                                         if v not in made))
+            # The barrier's extra operand pins the recomputation after the node
+            # that ran just before its first use: XLA cannot hoist it earlier.
             trigger = next((v for v in node.inputs
                             if v in producers and graph.nodes[producers[v]].is_backward),
-                           last_backward_out)
+                           last_out)
             barrier_in = leaves + ([trigger] if trigger is not None else [])
             barrier_out = [new_value(v) for v in barrier_in]
             nodes.append(Node(len(nodes), "optimization_barrier", "view", tuple(barrier_in),
@@ -95,8 +115,15 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual]) -> Graph:
             ins = [rename.get(v, v) for v in node.inputs]
             ops = [None if o is None else rename.get(o, o) for o in node.operands]
             emit(node, ins, ops, list(node.outputs))
-            if node.outputs:
-                last_backward_out = node.outputs[0]
         else:
             emit(node, list(node.inputs), list(node.operands), list(node.outputs))
+        if node.outputs:
+            last_out = node.outputs[0]
     return Graph(tuple(values), tuple(nodes), graph.inputs, graph.outputs, graph.consts)
+
+
+def _cheap(graph: Graph, chain: tuple[int, ...], r: Residual, max_heavy: int = 2) -> bool:
+    """At most ``max_heavy`` materialising ops besides the residual's own producer."""
+    heavy = [i for i in chain if graph.nodes[i].kind in ("opaque", "control", "inplace")
+             and i != r.producer]
+    return len(heavy) <= max_heavy
