@@ -22,6 +22,7 @@ from typing import Any
 import sympy
 
 from jaxmem._errors import ShapeOutOfRangeError
+from jaxmem.fastexpr import compile_expr
 from jaxmem.graph import Graph, build_graph
 from jaxmem.memory import MemoryModel, memory_model
 from jaxmem.symbolic import ShapeDomain, sym
@@ -59,8 +60,9 @@ class Report:
 
     @functools.cached_property
     def _peak_fn(self) -> Callable[..., Any]:
-        args = [sym(n) for n in self.symbols]
-        return sympy.lambdify(args, self.memory.peak_bytes, modules=["math"])
+        # A DAG-aware compile: the peak's piecewise steps repeat, lambdify would
+        # print (and evaluate) each repetition.
+        return compile_expr([sym(n) for n in self.symbols], self.memory.peak_bytes)
 
     def peak_bytes_at(self, **dims: int) -> int:
         """Evaluates the peak at concrete dims, e.g. ``peak_bytes_at(b=8, s=256)``.

@@ -15,7 +15,7 @@ Example:
     >>> b, = jax.export.symbolic_shape("b")
     >>> cj = jax.make_jaxpr(lambda x: jnp.tanh(x @ x.T))(jax.ShapeDtypeStruct((b, 8), jnp.float32))
     >>> g = build_graph(cj)
-    >>> [n.primitive for n in g.nodes], g.values[g.nodes[0].outputs[0]].nbytes
+    >>> [n.primitive for n in g.nodes], g.values[g.nodes[1].outputs[0]].nbytes
     (['transpose', 'dot_general', 'tanh'], 4*b**2)
 """
 
@@ -52,7 +52,17 @@ shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square 
 sub tan tanh xor broadcast_in_dim iota transpose slice concatenate pad rev dynamic_slice
 squeeze expand_dims random_bits random_wrap random_unwrap random_seed threefry2x32
 clz conj complex real imag select_and_gather_add polygamma igamma igammac bessel_i0e
-bessel_i1e zeta regularized_incomplete_beta random_fold_in random_split convert
+bessel_i1e zeta regularized_incomplete_beta random_fold_in random_split convert split
+""".split())
+# Elementwise primitives XLA's fusion pass will not duplicate into several consumers
+# (``InstructionFusion::IsExpensive``: transcendental functions, float division, RNG);
+# every other elementwise result is recomputed inside each consumer's fusion instead
+# of being materialised.
+EXPENSIVE = frozenset("""
+acos acosh asin asinh atan atan2 atanh cbrt cos cosh div erf erf_inv erfc exp exp2 expm1
+lgamma digamma log log1p logistic pow rem rsqrt sin sinh sqrt tan tanh polygamma igamma
+igammac bessel_i0e bessel_i1e zeta regularized_incomplete_beta random_bits threefry2x32
+random_fold_in random_split random_seed
 """.split())
 VIEW = frozenset("reshape name bitcast_convert_type optimization_barrier".split())
 REDUCE = frozenset("""
@@ -194,10 +204,10 @@ class _Builder:
     def new_value(self, aval: Any) -> int:
         shape = tuple(_dim_of(d) for d in getattr(aval, "shape", ()))
         dtype = getattr(aval, "dtype", None)
-        itemsize = _itemsize(dtype)
+        name, itemsize = _dtype_info(dtype)
         nbytes = sympy.Mul(itemsize, *shape) if shape else sympy.Integer(itemsize)
         vid = len(self.values)
-        self.values.append(Value(vid, shape, str(dtype), sympy.expand(nbytes)))
+        self.values.append(Value(vid, shape, name, sympy.expand(nbytes)))
         return vid
 
     def add_node(self, primitive: str, kind: str, inputs: Sequence[int], outputs: Sequence[int],
@@ -207,6 +217,19 @@ class _Builder:
         self.nodes.append(Node(len(self.nodes), primitive, kind, tuple(inputs), tuple(outputs),
                                scope, subgraphs, flops if flops is not None else sympy.Integer(0),
                                params, eqn, tuple(operands)))
+
+
+def _dtype_info(dtype: Any) -> tuple[str, int]:
+    """(name, itemsize) of a dtype; numpy's ``str(dtype)`` is slow, so memoise it."""
+    try:
+        return _dtype_info_cached(dtype)
+    except TypeError:  # unhashable dtype
+        return str(dtype), _itemsize(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_info_cached(dtype: Any) -> tuple[str, int]:
+    return str(dtype), _itemsize(dtype)
 
 
 def _itemsize(dtype: Any) -> int:
@@ -282,6 +305,12 @@ def _default_rule(b: _Builder, env: dict, eqn: Any, scope: str) -> None:
     params: tuple[tuple[str, Any], ...] = ()
     if name == "name":
         params = (("name", eqn.params.get("name")),)
+    elif name == "transpose":
+        params = (("permutation", tuple(int(i) for i in eqn.params["permutation"])),)
+    elif name == "dot_general":
+        # Kept so the memory model can tell which operands XLA must transpose.
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        params = (("dimension_numbers", ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))),)
     b.add_node(name, kind, ins, outs, scope, flops=_flops(eqn), params=params, eqn=eqn,
                operands=operands)
 

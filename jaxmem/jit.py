@@ -202,6 +202,11 @@ class Jitted:
             if k in skip:
                 return None
             plan = compile_level(analysis, k, dims, static, dynamic, self, budget)
+            if plan.order_enforced and getattr(self.scheduler, "verify_with_xla", False):
+                # A heuristic order must beat XLA's own schedule on XLA's own figure.
+                free = compile_level(analysis, k, dims, static, dynamic, self, budget,
+                                     apply_order=False)
+                plan = plan if plan.peak_bytes < free.peak_bytes else free
             tried.append(plan)
             return plan if budget is None or plan.peak_bytes <= budget else None
 
@@ -216,11 +221,37 @@ class Jitted:
             raise BudgetInfeasibleError(f"no plan is left to try at {dims}", min_peak_bytes=0,
                                         budget_bytes=budget)
         best = min(tried, key=lambda p: p.peak_bytes)
+        if (plan := self._microbatched(analysis, best, dims, static, dynamic, budget, tried)):
+            return plan
+        best = min(tried, key=lambda p: p.peak_bytes)
         raise BudgetInfeasibleError(
             f"no plan fits budget_bytes={budget} at {dims}: the best plan "
             f"(level {best.level}, recomputing {', '.join(best.recompute) or 'nothing'}) needs "
             f"{best.peak_bytes} bytes (XLA memory_analysis)", min_peak_bytes=best.peak_bytes,
             budget_bytes=budget)
+
+    def _microbatched(self, analysis: Analysis, best: Plan, dims: dict[str, int],
+                      static: tuple[Any, ...], dynamic: tuple[Any, ...], budget: int | None,
+                      tried: list[Plan]) -> Plan | None:
+        """The scheduler's microbatch count k > 1 that XLA says fits, if it names one."""
+        if budget is None or type(self.scheduler).microbatches is Scheduler.microbatches:
+            return None
+        axis = getattr(self.scheduler, "axis", "b")
+        if dims.get(axis, 1) <= 1:
+            return None
+        made: dict[int, Plan] = {}
+
+        def fits(k: int) -> bool:
+            if k <= 1:
+                return False  # every level without microbatching was tried above
+            if k not in made:
+                made[k] = compile_level(analysis, best.level, dims, static, dynamic, self,
+                                        budget, microbatches=k, axis=axis)
+                tried.append(made[k])
+            return made[k].peak_bytes <= budget
+
+        k = self.scheduler.microbatches(dict(dims), fits)
+        return made[k] if k in made and made[k].peak_bytes <= budget else None
 
     def __call__(self, *args: Any) -> Any:
         plan = self.plan_for(*args)

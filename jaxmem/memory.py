@@ -1,14 +1,20 @@
 """The symbolic memory model: buffers, live ranges and the peak, over all shapes at once.
 
 XLA's accounting of an executable is ``argument + output - alias + temp``. The
-first three are sums over the graph's inputs and outputs; ``temp`` is the most
-temporary memory live at any program point. :func:`liveness` decides which
-values XLA materialises (elementwise chains fuse into their consumer; dots,
-reductions, control flow and values read more than once do not) and when each
-buffer is born and dies under a given op order; :func:`memory_model` sums the
-live buffers per program point and keeps the points that can be the maximum
-somewhere in the domain: first by coefficient dominance, then by the
-comparisons of :mod:`jaxmem.symbolic`. The peak is a ``sympy.Max`` over them.
+first three are sums over the graph's inputs and outputs (a tuple of results
+adds XLA's table of pointers); ``temp`` is the most temporary memory live at any
+program point. :func:`liveness` takes which values XLA materialises, and the
+buffers it adds, from :mod:`jaxmem.fusion`, and decides when each buffer is born
+and dies under a given op order. :func:`memory_model` sums the live buffers per
+program point and keeps the points that can be the maximum somewhere in the
+domain: first by coefficient dominance, then by the comparisons of
+:mod:`jaxmem.symbolic`. Without output reuse the peak is a ``sympy.Max`` of
+polynomials over those points; with it (the default, as XLA does) temporaries
+may sit in output buffers not written yet (:mod:`jaxmem.reuse`) and the peak is
+a ``Max`` of piecewise polynomials.
+
+Accuracy against XLA's CPU peak (``python -m bench.accuracy``, 20 shapes of an
+MLP, a GPT and a Llama train step): median error 1.6 %, worst 7.5 %.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -31,8 +37,14 @@ from collections.abc import Sequence
 
 import sympy
 
+from jaxmem.fusion import epilogue_broadcasts, materialised, transposed_copies
 from jaxmem.graph import Graph
+from jaxmem.reuse import reuse_peak
 from jaxmem.symbolic import Cmp, ShapeDomain, compare
+
+_materialised = materialised  # the name jaxmem.plan imports
+
+POINTER_BYTES = 8  # one entry of a tuple's table of buffer pointers (64-bit hosts)
 
 LinExpr = dict[sympy.Expr, sympy.Expr]  # monomial -> coefficient; all monomials are >= 0
 
@@ -47,6 +59,8 @@ class Buffer:
         start: order position of the node that writes it (-1 for arguments).
         end: last order position that reads it (``len(order)`` for outputs).
         kind: ``argument``, ``output`` or ``temp``.
+        note: why a buffer exists that no jaxpr value names (``"transposed copy"``
+            of a dot operand XLA must transpose); empty otherwise.
     """
 
     value: int
@@ -54,6 +68,7 @@ class Buffer:
     start: int
     end: int
     kind: str
+    note: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +86,11 @@ class MemoryModel:
             ``timeline`` has them as sympy expressions.
         candidates: order positions whose live set can be the maximum somewhere.
         comparisons: how the pruning comparisons were decided.
+        temp_bytes_without_reuse: ``temp_bytes`` if no temporary could use an
+            output buffer before the output is written: a ``Max`` of polynomials,
+            an upper bound of ``temp_bytes`` (equal when ``reuse_outputs=False``).
+        reuse_outputs: whether ``temp_bytes`` counts temporaries stored in
+            not-yet-written output buffers (see :mod:`jaxmem.reuse`).
     """
 
     buffers: tuple[Buffer, ...]
@@ -82,47 +102,13 @@ class MemoryModel:
     points: tuple[tuple[tuple[sympy.Expr, sympy.Expr], ...], ...] = dataclasses.field(repr=False)
     candidates: tuple[int, ...]
     comparisons: tuple[tuple[str, int], ...]
+    temp_bytes_without_reuse: sympy.Expr | None = None
+    reuse_outputs: bool = False
 
     @functools.cached_property
     def timeline(self) -> tuple[sympy.Expr, ...]:
         """Temporary bytes live at each order position, as sympy expressions."""
         return tuple(_to_expr(dict(p)) for p in self.points)
-
-
-def _materialised(graph: Graph) -> dict[int, int]:
-    """Maps each value to the value whose buffer holds it; fused values map to -1."""
-    consumers = graph.consumers
-    nodes = graph.nodes
-    outputs = set(graph.outputs)
-    owner: dict[int, int] = {v: v for v in graph.inputs}
-
-    def real_consumer_kinds(v: int) -> list[str]:
-        kinds = []
-        for c in consumers.get(v, ()):
-            n = nodes[c]
-            if n.kind == "view" and n.primitive != "optimization_barrier":
-                for o in n.outputs:
-                    kinds.extend(real_consumer_kinds(o) or (["output"] if o in outputs else []))
-            else:
-                kinds.append(n.kind)
-        return kinds
-
-    for n in nodes:
-        if n.kind == "view":
-            for i, o in enumerate(n.outputs):
-                src = n.inputs[i] if i < len(n.inputs) else (n.inputs[0] if n.inputs else None)
-                owner[o] = owner.get(src, o) if src is not None else o
-                if owner[o] == -1 and (o in outputs or n.primitive == "optimization_barrier"):
-                    owner[o] = o
-            continue
-        for o in n.outputs:
-            if n.kind != "elementwise":
-                owner[o] = o
-                continue
-            kinds = real_consumer_kinds(o)
-            fusible = len(kinds) == 1 and kinds[0] in ("elementwise", "reduce")
-            owner[o] = -1 if (fusible and o not in outputs) else o
-    return owner
 
 
 def liveness(graph: Graph, order: Sequence[int] | None = None,
@@ -139,7 +125,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     """
     order = list(range(len(graph.nodes))) if order is None else list(order)
     pos = {n: p for p, n in enumerate(order)}
-    owner = _materialised(graph)
+    owner = materialised(graph)
     nodes = graph.nodes
     producers = graph.producers
 
@@ -208,6 +194,8 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
         vid = v.id
         if vid in inputs:
             buffers.append(Buffer(vid, v.nbytes, -1, end, "argument"))
+            if vid in outputs:  # returned as is: XLA copies it into an output buffer
+                buffers.append(Buffer(vid, v.nbytes, end, end, "output", "copied argument"))
         elif vid in outputs:
             buffers.append(Buffer(vid, v.nbytes, first_def.get(vid, end), end, "output"))
         elif owner.get(vid) == vid and vid in first_def and vid not in in_output:
@@ -216,6 +204,9 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
             buffers.append(Buffer(vid, v.nbytes, start, max(stop, start), "temp"))
         del vid
     _ = donated_ids
+    for x in (*transposed_copies(graph, order, owner),
+              *epilogue_broadcasts(graph, order, owner, first_def)):
+        buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
     return tuple(buffers)
 
 
@@ -262,7 +253,8 @@ def _alias_bytes(graph: Graph, donated: Sequence[int]) -> sympy.Expr:
 
 
 def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = None,
-                 donated: Sequence[int] = (), symbolic: bool = True) -> MemoryModel:
+                 donated: Sequence[int] = (), symbolic: bool = True,
+                 reuse_outputs: bool = True) -> MemoryModel:
     """The symbolic memory of ``graph`` run in ``order``.
 
     Args:
@@ -271,6 +263,10 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
         order: a permutation of node indices; program order when None.
         donated: indices into ``graph.inputs`` that are donated.
         symbolic: False runs the ablation (comparisons by sampling only).
+        reuse_outputs: let temporaries use output buffers before the outputs are
+            written, as XLA's buffer assignment does. The peak is then piecewise
+            polynomial (``Piecewise`` where a temporary fits an output only for
+            some shapes); False keeps it a ``Max`` of polynomials.
 
     Returns:
         A :class:`MemoryModel`.
@@ -303,12 +299,38 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
         points.append({m: c for m, c in point.items() if c != 0})
     candidates = _frontier(points, dom, tally, symbolic)
     temp = sympy.Max(*[_to_expr(points[p]) for p in candidates]) if candidates else sympy.Integer(0)
+    upper = temp
+    if reuse_outputs:
+        aliased = _aliased_outputs(graph, donated)
+        temps = [(b.nbytes, b.start, b.end) for b in buffers if b.kind == "temp"]
+        outs_free = [(b.nbytes, b.start) for b in buffers
+                     if b.kind == "output" and b.value not in aliased and b.start >= 0]
+        temp, candidates = reuse_peak(temps, outs_free, extra, n, dom, tally, symbolic)
     args = sympy.Add(*[b.nbytes for b in buffers if b.kind == "argument"])
     outs = sympy.Add(*[b.nbytes for b in buffers if b.kind == "output"])
+    if len(graph.outputs) > 1:
+        # Several results are returned as a tuple: XLA's output also holds its table
+        # of 8-byte pointers.
+        outs += POINTER_BYTES * len(graph.outputs)
     alias = _alias_bytes(graph, donated)
     return MemoryModel(buffers, args, outs, alias, temp, args + outs - alias + temp,
                        tuple(tuple(p.items()) for p in points), tuple(candidates),
-                       tuple(sorted(tally.items())))
+                       tuple(sorted(tally.items())), upper, reuse_outputs)
+
+
+def _aliased_outputs(graph: Graph, donated: Sequence[int]) -> set[int]:
+    """Output value ids that live in a donated argument's buffer (see ``_alias_bytes``)."""
+    free = collections.Counter()
+    for i in donated:
+        v = graph.values[graph.inputs[i]]
+        free[(v.shape, v.dtype)] += 1
+    out = set()
+    for vid in dict.fromkeys(graph.outputs):
+        v = graph.values[vid]
+        if free[(v.shape, v.dtype)] > 0:
+            free[(v.shape, v.dtype)] -= 1
+            out.add(vid)
+    return out
 
 
 def _frontier(points: list[LinExpr], dom: ShapeDomain, tally: collections.Counter[str],

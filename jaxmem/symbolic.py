@@ -121,7 +121,10 @@ class ShapeDomain:
         lower = {n: 1 for n in symbols}
         upper: dict[str, int | None] = {n: None for n in symbols}
         exprs: list[sympy.Expr] = []
-        texts = tuple(constraints)
+        # Constraints on dims the function never sees (declared in the same
+        # symbolic_shape scope) do not bound its shapes; keep only the others.
+        texts = tuple(t for t in constraints
+                      if {str(x) for x in _parse_constraint(t).free_symbols} <= set(symbols))
         for text in texts:
             g = _parse_constraint(text)
             free = g.free_symbols
@@ -157,11 +160,20 @@ class ShapeDomain:
                 return f"dimension {n}={v} is below its lower bound {lo}"
             if hi is not None and v > hi:
                 return f"dimension {n}={v} is above its upper bound {hi}"
-        subs = {sym(n): point[n] for n in self.symbols}
-        for g, text in zip(self.constraints, self._general_texts(), strict=False):
-            if g.subs(subs) < 0:
+        if not self.constraints:
+            return None
+        values = [point[n] for n in self.symbols]
+        for check, text in self._checks:
+            if check(*values) < 0:
                 return f"constraint {text!r} is violated at {dict(point)}"
         return None
+
+    @functools.cached_property
+    def _checks(self) -> tuple[tuple[Callable[..., Any], str], ...]:
+        """The general constraints compiled once (``contains`` runs on every call)."""
+        args = [sym(n) for n in self.symbols]
+        return tuple((sympy.lambdify(args, g, modules=["math"]), text)
+                     for g, text in zip(self.constraints, self._general_texts(), strict=False))
 
     def _general_texts(self) -> list[str]:
         out = []

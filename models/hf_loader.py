@@ -145,6 +145,37 @@ def hf_to_pure_dict(tensors: Mapping[str, np.ndarray], config: LlamaConfig) -> d
     return pure
 
 
+def llama_from_tensors(
+    tensors: Mapping[str, np.ndarray], config: LlamaConfig
+) -> Llama:
+    """Build a :class:`Llama` whose parameters are HF-named ``tensors`` (no random init).
+
+    Args:
+        tensors: HF names to arrays, e.g. from :func:`iter_tensors`.
+        config: the model's configuration; parameters take its ``param_dtype``.
+
+    Raises:
+        KeyError: a weight is missing.
+        ValueError: a weight's shape does not match ``config``.
+
+    Example:
+        >>> model = llama_from_tensors(dict(iter_tensors("ckpt")), config)  # doctest: +SKIP
+    """
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))
+    pure = hf_to_pure_dict(tensors, config)
+    target = as_dtype(config.param_dtype)
+
+    def convert(key_path: tuple[Any, ...], spec: jax.ShapeDtypeStruct, value: np.ndarray) -> Any:
+        if tuple(value.shape) != tuple(spec.shape):
+            raise ValueError(f"{jax.tree_util.keystr(key_path)}: checkpoint shape {value.shape} "
+                             f"!= model shape {spec.shape}")
+        return jax.numpy.asarray(value, dtype=target)
+
+    state.replace_by_pure_dict(jax.tree_util.tree_map_with_path(convert, state.to_pure_dict(),
+                                                                pure))
+    return nnx.merge(graphdef, state)
+
+
 def load_hf_llama(
     path: str | Path, *, param_dtype: str | None = None, dtype: str | None = None
 ) -> Llama:
@@ -170,17 +201,4 @@ def load_hf_llama(
     config = config_from_hf(
         hf_config, param_dtype=param_dtype or "float32", dtype=dtype or "float32"
     )
-    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    pure = hf_to_pure_dict(dict(iter_tensors(path)), config)
-    target = as_dtype(config.param_dtype)
-
-    def convert(key_path: tuple[Any, ...], spec: jax.ShapeDtypeStruct, value: np.ndarray) -> Any:
-        name = jax.tree_util.keystr(key_path)
-        if tuple(value.shape) != tuple(spec.shape):
-            raise ValueError(f"{name}: checkpoint shape {value.shape} != model shape {spec.shape}")
-        return jax.numpy.asarray(value, dtype=target)
-
-    abstract_pure = state.to_pure_dict()
-    state.replace_by_pure_dict(jax.tree_util.tree_map_with_path(convert, abstract_pure, pure))
-    return nnx.merge(graphdef, state)
+    return llama_from_tensors(dict(iter_tensors(path)), config)

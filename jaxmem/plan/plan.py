@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from jaxmem.dispatch import local_dims
+from jaxmem.grad import microbatching
 from jaxmem.graph import JaxmemWarning, build_graph
 from jaxmem.plan.remat import apply_remat
 from jaxmem.plan.residuals import find_residuals
@@ -62,6 +63,7 @@ class Plan:
     order_enforced: bool = False
     static_argnums: tuple[int, ...] = ()
     guard: str = ""
+    microbatches: int = 1
 
     def run(self, *args: Any) -> Any:
         """Runs the compiled executable on the full positional arguments."""
@@ -86,6 +88,9 @@ class Plan:
         for g in self.saved:
             lines.append(f"  save      {g}")
         lines.append("  offload   nothing (host offload is not planned on this backend)")
+        if self.microbatches > 1:
+            lines.append(f"  microbatch the batch into {self.microbatches} accumulation steps "
+                         "(no recomputation level fits the budget)")
         if self.order_enforced:
             lines.append("  op order  the scheduler's order, enforced with optimization barriers")
         return "\n".join(lines)
@@ -102,24 +107,34 @@ def _as_struct(x: Any) -> jax.ShapeDtypeStruct:
 
 
 def compile_level(analysis: Analysis, k: int, dims: dict[str, int], static: tuple[Any, ...],
-                  dynamic: tuple[Any, ...], jitted: Any, budget: int | None = None) -> Plan:
+                  dynamic: tuple[Any, ...], jitted: Any, budget: int | None = None,
+                  apply_order: bool = True, microbatches: int = 1, axis: str = "") -> Plan:
     """Applies level ``k`` to the concrete trace at ``dims`` and compiles it.
 
-    ``budget`` overrides ``jitted.budget_bytes`` (a re-plan after an out-of-memory error).
+    ``budget`` overrides ``jitted.budget_bytes`` (a re-plan after an out-of-memory
+    error); ``apply_order=False`` ignores the scheduler's op order; ``microbatches``
+    splits dim ``axis`` into that many accumulation steps in ``jaxmem.value_and_grad``.
     """
     level = analysis.plans.levels[k]
     avals = [_as_struct(x) for x in jax.tree_util.tree_leaves(dynamic)]
     tree = jax.tree_util.tree_structure(dynamic)
-    closed, out_shape = jax.make_jaxpr(analysis.flat_fn, return_shape=True)(
-        *jax.tree_util.tree_unflatten(tree, avals))
+    def fresh(*a: Any) -> Any:  # a new function: JAX's trace cache cannot see the context
+        return analysis.flat_fn(*a)
+
+    with microbatching(microbatches, dims.get(axis, 0)):
+        closed, out_shape = jax.make_jaxpr(fresh if microbatches > 1 else analysis.flat_fn,
+                                           return_shape=True)(
+            *jax.tree_util.tree_unflatten(tree, avals))
     graph = build_graph(closed)
     wanted = set(level.recompute)
     chosen = [r for r in find_residuals(graph) if r.group in wanted]
     rewritten = apply_remat(graph, chosen)
-    order = analysis.orders[k]
+    order = analysis.orders[k] if apply_order else None
     enforced = False
-    if order is not None and order != list(range(len(order))):
-        if len(order) == len(rewritten.nodes):
+    if order is not None and order != list(range(len(order))) and microbatches == 1:
+        same = [n.primitive for n in rewritten.nodes] == [
+            n.primitive for n in analysis.plans.levels[k].graph.nodes]
+        if same:
             rewritten, enforced = reorder(rewritten, order), True
         else:
             warnings.warn("jaxmem: the concrete trace differs from the symbolic one; the "
@@ -152,4 +167,4 @@ def compile_level(analysis: Analysis, k: int, dims: dict[str, int], static: tupl
     return Plan(dict(dims), k, len(analysis.plans.levels), level.recompute,
                 tuple(g for g in all_groups if g not in wanted), predicted,
                 xla_peak_bytes(compiled), budget, compiled, enforced, jitted.static_argnums,
-                guard)
+                guard, microbatches)

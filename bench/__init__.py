@@ -1,0 +1,1 @@
+"""Benchmarks: accuracy of jaxmem's memory predictions and comparisons against XLA."""

@@ -1,0 +1,129 @@
+"""Coverage of symbolic decisions and the comparison's must-show checks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+import jaxmem
+from bench.methods import Methods
+from bench.workload import Workload
+
+
+def _counts(pairs: Any) -> dict[str, int]:
+    counts = {"symbolic": 0, "fallback": 0}
+    counts.update(dict(pairs))
+    return counts
+
+
+def plan_set_comparisons(step: jaxmem.Jitted) -> dict[str, int] | None:
+    """How the plan set's comparisons were decided (jaxmem keeps one analysis per structure).
+
+    Reads ``Jitted._analyses`` (no public accessor exists for the plan set yet).
+    """
+    analyses = list(getattr(step, "_analyses", {}).values())
+    if not analyses:
+        return None
+    return _counts(analyses[0].plans.comparisons)
+
+
+def coverage(w: Workload, m: Methods, rows: Sequence[dict[str, Any]], max_b: int,
+             max_s: int, run_analyze: bool = True) -> tuple[dict[str, Any], Any]:
+    """Symbolic vs fallback decisions of ``jaxmem.analyze`` and the plan sets, and where
+    the fallback-only ablation planned differently from symbolic jaxmem.
+
+    Returns:
+        ``(coverage, report)``: the JSON-ready counts and the symbolic
+        :class:`jaxmem.Report` (None when ``run_analyze`` is False).
+    """
+    b, s = jax.export.symbolic_shape("b, s", constraints=(f"b <= {max_b}", f"s <= {max_s}"))
+    specs = {k: jax.ShapeDtypeStruct((b, s), v.dtype) for k, v in w.batch(1, 1).items()}
+    out: dict[str, Any] = {"workload": w.name}
+    reports = {}
+    for name, symbolic in (("analyze", True), ("analyze_fallback_only", False))[
+            : 2 if run_analyze else 0]:
+        t0 = time.perf_counter()
+        reports[name] = jaxmem.analyze(w.train_step, w.state, specs, symbolic=symbolic)
+        out[name] = {"comparisons": reports[name].comparisons,
+                     "seconds": round(time.perf_counter() - t0, 2)}
+    out["plan_set"] = {"jaxmem": plan_set_comparisons(m.jaxmem),
+                       "jaxmem-fallback-only": plan_set_comparisons(m.fallback)}
+    out["ablation_shapes"] = _ablation_shapes(rows)
+    return out, reports.get("analyze")
+
+
+def _ablation_shapes(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    by = {(r["b"], r["s"], r["method"]): r for r in rows}
+    diffs = []
+    for (b, s, method), sym in sorted(by.items()):
+        fb = by.get((b, s, "jaxmem-fallback-only"))
+        if method != "jaxmem" or fb is None:
+            continue
+        entry = {"b": b, "s": s, "symbolic_level": sym["level"], "fallback_level": fb["level"],
+                 "symbolic_peak_bytes": sym["peak_bytes"], "fallback_peak_bytes": fb["peak_bytes"],
+                 "fallback_fits_budget": fb["fits_budget"],
+                 "differs": sym["level"] != fb["level"] or not fb["fits_budget"]}
+        diffs.append(entry)
+    return diffs
+
+
+def _row(rows: Sequence[dict[str, Any]], b: int, s: int, method: str) -> dict[str, Any] | None:
+    return next((r for r in rows if (r["b"], r["s"], r["method"]) == (b, s, method)), None)
+
+
+def must_show(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The targets of issue 5, each ``{"ok": bool, "detail": str}`` (never asserted)."""
+    rows = result["rows"]
+    shapes = sorted({(r["b"], r["s"]) for r in rows})
+    checks: dict[str, dict[str, Any]] = {}
+
+    ratios = []
+    for b, s in shapes:
+        j, st = _row(rows, b, s, "jaxmem"), _row(rows, b, s, "jaxmem-static")
+        if j and st:  # an infeasible row's peak is its best plan's (min_peak_bytes)
+            ratios.append((b, s, j["peak_bytes"] / st["peak_bytes"]))
+    checks["jaxmem_peak_le_1.02x_static"] = {
+        "ok": bool(ratios) and all(r <= 1.02 for *_, r in ratios),
+        "detail": ", ".join(f"({b},{s}): {r:.3f}" for b, s, r in ratios) or "no data"}
+
+    jm = [r for r in rows if r["method"] == "jaxmem"]
+    checks["jaxmem_fits_budget_everywhere"] = {
+        "ok": bool(jm) and all(r["fits_budget"] for r in jm),
+        "detail": ", ".join(f"({r['b']},{r['s']}): {r['peak_bytes'] / 2**20:.1f} MiB "
+                            f"{'fits' if r['fits_budget'] else 'OVER'}" for r in jm)}
+
+    wins = [(b, s) for b, s in shapes
+            if (x := _row(rows, b, s, "xla")) and (j := _row(rows, b, s, "jaxmem"))
+            and not x["fits_budget"] and j["fits_budget"]]
+    checks["xla_over_jaxmem_fits"] = {"ok": bool(wins),
+                                      "detail": f"shapes {wins}" if wins else "none"}
+
+    both = [(b, s, j["step_ratio"]) for b, s in shapes
+            if (x := _row(rows, b, s, "xla")) and (j := _row(rows, b, s, "jaxmem"))
+            and x["fits_budget"] and j["fits_budget"] and j["step_ratio"] is not None]
+    checks["jaxmem_within_5pct_of_xla_where_both_fit"] = {
+        "ok": bool(both) and all(r <= 1.05 for *_, r in both),
+        "detail": ", ".join(f"({b},{s}): {r:.3f}" for b, s, r in both) or "no shape where both fit"}
+
+    ep = result.get("epoch", {})
+    det = result.get("epoch_detail", {}).get("methods", {})
+    if {"jaxmem", "pad-max", "buckets"} <= set(ep):
+        incl = {k: v["tokens_per_s_incl_compile"] for k, v in det.items()}
+        checks["epoch_jaxmem_above_pad_max_and_buckets"] = {
+            "ok": ep["jaxmem"] > max(ep["pad-max"], ep["buckets"]),
+            "detail": "run-only tok/s " + ", ".join(f"{k} {v:.0f}" for k, v in ep.items())
+                      + "; incl. compile " + ", ".join(f"{k} {v:.0f}" for k, v in incl.items())}
+
+    cov = result.get("coverage", {})
+    abl = cov.get("ablation_shapes", [])
+    checks["ablation_contribution"] = {
+        "ok": any(a["differs"] for a in abl),
+        "detail": f"analyze comparisons symbolic/fallback: "
+                  f"{cov.get('analyze', {}).get('comparisons')} vs fallback-only "
+                  f"{cov.get('analyze_fallback_only', {}).get('comparisons')}; plan sets "
+                  f"{cov.get('plan_set')}; shapes where the ablation planned differently or "
+                  f"exceeded the budget: {[(a['b'], a['s']) for a in abl if a['differs']]}"}
+    return checks

@@ -1,0 +1,236 @@
+"""The compared methods: how each compiles and runs a train step at one (b, s).
+
+Every method turns a requested shape ``(b, s)`` into a :class:`Prepared`: the
+shape it actually runs (padding methods run a longer one), the executable's peak
+bytes by XLA's own accounting (DESIGN §2: ``argument + output - alias + temp``),
+jaxmem's prediction where there is one, and a zero-argument callable that runs
+one step. Executables are cached per run shape, so a shape compiles once.
+
+Methods (names are the contract's): ``xla``, ``xla+full_remat``, ``xla+dots``,
+``jaxmem``, ``jaxmem-static``, ``jaxmem-fallback-only``, ``pad-max``, ``buckets``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+import jaxmem
+from bench.workload import REMAT_POLICIES, Workload
+from jaxmem.rewrite import compiler_options
+
+METHODS = ("xla", "xla+full_remat", "xla+dots", "jaxmem", "jaxmem-static",
+           "jaxmem-fallback-only", "pad-max", "buckets")
+JAXMEM_METHODS = ("jaxmem", "jaxmem-static", "jaxmem-fallback-only")
+
+
+def xla_peak(compiled: Any) -> int:
+    """``argument + output - alias + temp`` of ``compiled.memory_analysis()``."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+               + m.temp_size_in_bytes)
+
+
+def bucket_length(s: int, max_len: int) -> int:
+    """The power-of-two bucket of length ``s``; the last bucket is ``max_len``.
+
+    Example:
+        >>> [bucket_length(s, 768) for s in (1, 100, 128, 129, 700)]
+        [1, 128, 128, 256, 768]
+    """
+    return min(1 << max(0, (s - 1).bit_length()), max_len)
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A method ready to run at one requested shape.
+
+    Attributes:
+        method, b, s: what was asked for.
+        run_s: the sequence length actually run (padding methods pad up to it).
+        peak_bytes: XLA's peak of the executable (for an infeasible jaxmem plan: the
+            best plan's peak, i.e. ``min_peak_bytes``).
+        predicted_peak_bytes: jaxmem's prediction, or None.
+        compile_s: seconds spent planning and compiling for this shape (0 if cached).
+        call: runs one step (None when no plan fits).
+        level: jaxmem's plan level, or None.
+        min_peak_bytes: for an infeasible jaxmem shape, what the best plan needs.
+    """
+
+    method: str
+    b: int
+    s: int
+    run_s: int
+    peak_bytes: int
+    predicted_peak_bytes: int | None
+    compile_s: float
+    call: Callable[[], Any] | None
+    level: int | None = None
+    min_peak_bytes: int | None = None
+
+
+def time_step(call: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """Median wall seconds of ``call()`` (blocked until ready) after ``warmup`` calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(call())
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_paired(call: Callable[[], Any], base: Callable[[], Any], repeats: int,
+                warmup: int = 1) -> tuple[float, float, float]:
+    """Times ``call`` and ``base`` alternately, so that load changes hit both alike.
+
+    Returns:
+        ``(median call s, median base s, median of the per-pair ratios)``.
+    """
+    for _ in range(warmup):
+        jax.block_until_ready(call())
+        jax.block_until_ready(base())
+    a, b = [], []
+    for _ in range(max(1, repeats)):
+        for fn, acc in ((call, a), (base, b)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            acc.append(time.perf_counter() - t0)
+    return (statistics.median(a), statistics.median(b),
+            statistics.median(x / y for x, y in zip(a, b, strict=True)))
+
+
+class Methods:
+    """Builds and caches every method's executables for one workload and budget."""
+
+    def __init__(self, workload: Workload, budget_bytes: int | None, max_b: int, max_s: int):
+        self.w = workload
+        self.budget_bytes = budget_bytes
+        self.max_b, self.max_s = max_b, max_s
+        #: what ``pad-max`` pads to: the longest sequence of the data
+        self.pad_to = int(workload.lengths.max())
+        self._compiled: dict[tuple[str, int, int], tuple[Any, float]] = {}
+        self._batches: dict[tuple[int, int], dict[str, jax.Array]] = {}
+        self.jaxmem = self.make_jaxmem(symbolic=True)
+        self.fallback = self.make_jaxmem(symbolic=False)
+        self.static: dict[tuple[int, int], jaxmem.Jitted] = {}
+        #: seconds of jaxmem's one-time symbolic analysis, per Jitted (by id)
+        self.analysis_s: dict[int, float] = {}
+
+    # --- construction -------------------------------------------------------------------
+
+    def share_analysis(self, other: Methods) -> None:
+        """Reuse ``other``'s symbolic jaxmem analysis (and its recorded cost), not its plans."""
+        self.jaxmem._analyses.update(other.jaxmem._analyses)
+        if id(other.jaxmem) in other.analysis_s:
+            self.analysis_s[id(self.jaxmem)] = other.analysis_s[id(other.jaxmem)]
+
+    def make_jaxmem(self, symbolic: bool = True, polymorphic: bool = True) -> jaxmem.Jitted:
+        """``jaxmem.jit`` of the unmodified step; symbolic over ``b, s`` unless static."""
+        if not polymorphic:
+            return jaxmem.jit(self.w.train_step, budget_bytes=self.budget_bytes)
+        return jaxmem.jit(self.w.train_step, polymorphic_shapes=(None, "b, s"),
+                          constraints=(f"b <= {self.max_b}", f"s <= {self.max_s}"),
+                          budget_bytes=self.budget_bytes, symbolic=symbolic)
+
+    def batch(self, b: int, s: int) -> dict[str, jax.Array]:
+        """A cached placeholder batch of shape ``(b, s)``."""
+        if (b, s) not in self._batches:
+            self._batches[(b, s)] = self.w.batch(b, s)
+        return self._batches[(b, s)]
+
+    def compiled(self, kind: str, b: int, s: int) -> tuple[Any, float]:
+        """Plain-jit executable of ``kind`` (``xla`` or a remat method) at ``(b, s)``."""
+        key = (kind, b, s)
+        if key not in self._compiled:
+            t0 = time.perf_counter()
+            if kind == "xla":
+                c = jax.jit(self.w.train_step).lower(self.w.state, self.batch(b, s)).compile()
+            else:
+                step = self.w.remat_step(REMAT_POLICIES[kind])
+                # On CPU, XLA's cse_barrier_expander would undo the remat (DESIGN §4).
+                c = jax.jit(step).lower(self.w.state, self.batch(b, s)).compile(
+                    compiler_options=compiler_options())
+            self._compiled[key] = (c, time.perf_counter() - t0)
+            return c, self._compiled[key][1]
+        return self._compiled[key][0], 0.0
+
+    # --- preparing one method at one shape ----------------------------------------------
+
+    def prepare(self, method: str, b: int, s: int) -> Prepared:
+        """``method`` at requested shape ``(b, s)``, compiled (cached) and ready to run."""
+        if method in ("xla", "xla+full_remat", "xla+dots", "pad-max", "buckets"):
+            return self._prepare_plain(method, b, s)
+        if method == "jaxmem":
+            return self._prepare_jaxmem(method, self.jaxmem, b, s)
+        if method == "jaxmem-fallback-only":
+            return self._prepare_jaxmem(method, self.fallback, b, s)
+        if method == "jaxmem-static":
+            t0 = time.perf_counter()
+            if (b, s) not in self.static:
+                self.static[(b, s)] = self.make_jaxmem(polymorphic=False)
+            p = self._prepare_jaxmem(method, self.static[(b, s)], b, s)
+            p.compile_s = time.perf_counter() - t0
+            return p
+        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+    def _prepare_plain(self, method: str, b: int, s: int) -> Prepared:
+        run_s = {"pad-max": self.pad_to, "buckets": bucket_length(s, self.pad_to)}.get(method, s)
+        kind = method if method in REMAT_POLICIES else "xla"
+        c, dt = self.compiled(kind, b, run_s)
+        state, batch = self.w.state, self.batch(b, run_s)
+        return Prepared(method, b, s, run_s, xla_peak(c), None, dt, lambda: c(state, batch))
+
+    def _prepare_jaxmem(self, method: str, step: jaxmem.Jitted, b: int, s: int) -> Prepared:
+        state, batch = self.w.state, self.batch(b, s)
+        t0 = time.perf_counter()
+        if not getattr(step, "_analyses", True):
+            # Time the one-time trace + planning apart from per-shape compiles (private API).
+            step._analysis((), (state, batch))
+            self.analysis_s[id(step)] = time.perf_counter() - t0
+        try:
+            plan = step.plan_for(state, batch)
+        except jaxmem.BudgetInfeasibleError as e:
+            return Prepared(method, b, s, s, int(e.min_peak_bytes), None,
+                            time.perf_counter() - t0, None, min_peak_bytes=int(e.min_peak_bytes))
+        dt = time.perf_counter() - t0
+        peak = xla_peak(plan.compiled)
+        return Prepared(method, b, s, s, peak, int(plan.predicted_peak_bytes), dt,
+                        lambda: step(state, batch), level=plan.level)
+
+
+def measure(methods: Methods, method: str, b: int, s: int, repeats: int,
+            xla_step_s: float | None, xla_call: Callable[[], Any] | None = None
+            ) -> tuple[dict[str, Any], Prepared]:
+    """One result row (DESIGN §2 keys plus extras) for ``method`` at ``(b, s)``.
+
+    With ``xla_call`` (plain XLA at the same shape), the method and XLA are timed
+    alternately and ``step_ratio`` is the median of the paired ratios.
+    """
+    p = methods.prepare(method, b, s)
+    step_s = ratio = paired_xla_s = None
+    if p.call is not None and xla_call is not None and method != "xla":
+        step_s, paired_xla_s, ratio = time_paired(p.call, xla_call, repeats)
+    elif p.call is not None:
+        step_s = time_step(p.call, repeats)
+    if ratio is None and step_s is not None and xla_step_s:
+        ratio = step_s / xla_step_s
+    budget = methods.budget_bytes
+    fits = p.call is not None and (budget is None or p.peak_bytes <= budget)
+    row: dict[str, Any] = {
+        "workload": methods.w.name, "b": b, "s": s, "method": method,
+        "peak_bytes": p.peak_bytes, "predicted_peak_bytes": p.predicted_peak_bytes,
+        "step_s": step_s,
+        "step_ratio": ratio, "xla_step_s_paired": paired_xla_s,
+        "fits_budget": bool(fits), "run_s": p.run_s, "compile_s": round(p.compile_s, 3),
+        "level": p.level,
+    }
+    if p.min_peak_bytes is not None:
+        row["min_peak_bytes"] = p.min_peak_bytes
+    return row, p

@@ -1,0 +1,250 @@
+"""What XLA materialises: fusion decisions and the buffers XLA adds on its own.
+
+:func:`materialised` decides which values of the graph get a buffer, following
+XLA's fusion pass (``InstructionFusion``: cheap elementwise ops are recomputed in
+every consumer that can fuse them; expensive ones read twice, and anything an op
+needs in memory, are materialised). :func:`transposed_copies` and
+:func:`epilogue_broadcasts` add the buffers XLA's CPU backend creates that no
+jaxpr value names: transposed dot operands and broadcast operands of a dot's
+fused epilogue. :mod:`jaxmem.memory` turns these into live ranges.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem.graph import build_graph
+    >>> b, = jax.export.symbolic_shape("b")
+    >>> g = build_graph(jax.make_jaxpr(lambda x: jnp.tanh(x * 2).sum())(
+    ...     jax.ShapeDtypeStruct((b, 8), jnp.float32)))
+    >>> owner = materialised(g)
+    >>> [owner[v] for n in g.nodes for v in n.outputs]  # mul and tanh fuse into the sum
+    [-1, -1, 3]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import sympy
+
+from jaxmem.graph import EXPENSIVE, Graph, Node
+
+
+class Extra(NamedTuple):
+    """A buffer XLA adds: ``value`` names the operand it copies (bytes ``nbytes``)."""
+
+    value: int
+    nbytes: sympy.Expr
+    start: int
+    end: int
+    note: str
+
+
+def materialised(graph: Graph) -> dict[int, int]:
+    """Maps each value to the value whose buffer holds it; fused values map to -1.
+
+    Follows XLA's fusion pass: an elementwise result is recomputed inside every
+    consumer that can fuse it (elementwise ops and reductions) and takes no
+    buffer, unless it is an output, feeds an op that needs its operands in
+    memory (dots, gathers, control flow, ...), or is expensive to recompute
+    (``EXPENSIVE``) and read by more than one consumer.
+    """
+    consumers = graph.consumers
+    nodes = graph.nodes
+    outputs = set(graph.outputs)
+    owner: dict[int, int] = {v: v for v in graph.inputs}
+
+    def real_consumer_kinds(v: int) -> list[str]:
+        kinds = []
+        for c in consumers.get(v, ()):
+            n = nodes[c]
+            if n.kind == "view" and n.primitive != "optimization_barrier":
+                for o in n.outputs:
+                    kinds.extend(real_consumer_kinds(o) or (["output"] if o in outputs else []))
+            else:
+                kinds.append(n.kind)
+        return kinds
+
+    for n in nodes:
+        if n.kind == "view":
+            for i, o in enumerate(n.outputs):
+                src = n.inputs[i] if i < len(n.inputs) else (n.inputs[0] if n.inputs else None)
+                owner[o] = owner.get(src, o) if src is not None else o
+                if owner[o] == -1 and (o in outputs or n.primitive == "optimization_barrier"):
+                    owner[o] = o
+            continue
+        for o in n.outputs:
+            if n.kind != "elementwise" or o in outputs:
+                owner[o] = o
+                continue
+            if n.primitive == "transpose" and _only_dots(graph, o):
+                owner[o] = -1  # folded into the dots' dimension numbers (TransposeFolding)
+                continue
+            kinds = real_consumer_kinds(o)
+            fusible = all(k in ("elementwise", "reduce") for k in kinds)
+            duplicable = len(kinds) <= 1 or (n.primitive not in EXPENSIVE
+                                             and _effectively_unary(graph, n))
+            owner[o] = -1 if (fusible and duplicable) else o
+    return owner
+
+
+def _only_dots(graph: Graph, v: int) -> bool:
+    users = graph.consumers.get(v, ())
+    return bool(users) and all(graph.nodes[u].primitive == "dot_general" for u in users)
+
+
+def _effectively_unary(graph: Graph, node: Node) -> bool:
+    """True when at most one operand has the result's rank and is not a broadcast.
+
+    XLA duplicates such ops into every consumer without reading more memory
+    (``InstructionFusion::EffectivelyAtMostUnary``); ops reading several full
+    operands are fused into all consumers or none.
+    """
+    producers = graph.producers
+    if not node.outputs:
+        return True
+    size = _elements(graph, node.outputs[0])
+    full = 0
+    for v in dict.fromkeys(node.inputs):
+        p = producers.get(v)
+        if p is not None and graph.nodes[p].primitive in ("broadcast_in_dim", "iota"):
+            continue
+        # Operands with size-1 dims are broadcast in HLO: they do not count either.
+        if _elements(graph, v) == size:
+            full += 1
+    return full <= 1
+
+
+def _elements(graph: Graph, v: int) -> sympy.Expr:
+    return sympy.Mul(*graph.values[v].shape) if graph.values[v].shape else sympy.Integer(1)
+
+
+def epilogue_broadcasts(graph: Graph, order: Sequence[int], owner: dict[int, int],
+                         first_def: dict[int, int]) -> list[Extra]:
+    """Full-size copies of operands broadcast into a dot's fused epilogue.
+
+    XLA's CPU backend fuses a dot with the chain of elementwise ops that consume
+    its result (one library call), but such a fusion reads every other operand
+    of that chain at the chain's full shape: an operand that the jaxpr broadcasts
+    (``x / s[..., None]``, the softmax denominator in attention's backward pass)
+    is materialised broadcast, from when its source exists until the chain runs.
+    """
+    pos = {n: p for p, n in enumerate(order)}
+    nodes = graph.nodes
+    consumers = graph.consumers
+    out: list[Extra] = []
+    seen: set[tuple[int, int]] = set()
+    for node in nodes:
+        if node.primitive != "dot_general" or not node.outputs:
+            continue
+        region = {node.outputs[0]}
+        frontier = [node.outputs[0]]
+        for _ in range(3):  # epilogues are short; bound the walk
+            nxt = []
+            for v in frontier:
+                for u in consumers.get(v, ()):
+                    e = nodes[u]
+                    if e.kind not in ("elementwise", "view") or not e.outputs:
+                        continue
+                    if e.kind == "elementwise":
+                        out.extend(_broadcast_operands(graph, e, region, owner, first_def,
+                                                       pos, seen))
+                    region.add(e.outputs[0])
+                    nxt.append(e.outputs[0])
+            frontier = nxt
+    return out
+
+
+def _broadcast_operands(graph: Graph, e: Node, region: set[int], owner: dict[int, int],
+                        first_def: dict[int, int], pos: dict[int, int],
+                        seen: set[tuple[int, int]]) -> list[Extra]:
+    """The operands of epilogue op ``e`` that XLA reads broadcast to ``e``'s full shape."""
+    producers = graph.producers
+    size = _elements(graph, e.outputs[0])
+    out = []
+    for x in e.inputs:
+        if x in region or (x, e.index) in seen:
+            continue
+        src = x
+        p = producers.get(x)
+        if (p is not None and graph.nodes[p].primitive == "broadcast_in_dim"
+                and graph.nodes[p].inputs):
+            src = graph.nodes[p].inputs[0]
+        small = _elements(graph, src)
+        # Broadcasts of constant-size tensors (biases, scales) are read in place.
+        if not small.free_symbols or small == size:
+            continue
+        seen.add((x, e.index))
+        o = owner.get(src, src)
+        here = pos[e.index]
+        start = min(first_def.get(o, 0), here) if o != -1 else here
+        itemsize = graph.values[e.outputs[0]].nbytes / size
+        out.append(Extra(x, sympy.expand(size * itemsize), start, here,
+                         "broadcast epilogue operand"))
+    return out
+
+
+def _canonical_dot_operands(dims: tuple, ranks: tuple[int, int]) -> tuple[bool, bool]:
+    """Whether XLA's CPU dot can read each operand as laid out (row-major).
+
+    XLA canonicalises every dot to ``[batch, M, K] x [batch, K, N]`` with
+    row-major operands (``DotDecomposer``, CPU layout assignment); the CPU
+    library also takes the right operand as ``[batch, N, K]``. An operand whose
+    batch dims are not leading, or whose contracting dims are elsewhere, is first
+    copied into that order (measured: ``x @ x.T`` needs no copy, the weight
+    gradient ``x.T @ dy`` copies ``x``).
+    """
+    (lc, rc), (lb, rb) = dims
+    nb = len(lb)
+    lhs_ok = (tuple(lb) == tuple(range(nb))
+              and tuple(lc) == tuple(range(ranks[0] - len(lc), ranks[0])))
+    # The right operand may also come as [batch, N, K] (the library takes it transposed).
+    rhs_ok = (tuple(rb) == tuple(range(nb))
+              and tuple(rc) in (tuple(range(nb, nb + len(rc))),
+                                tuple(range(ranks[1] - len(rc), ranks[1]))))
+    return lhs_ok, rhs_ok
+
+
+def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int]
+                       ) -> list[Extra]:
+    """Copies of dot operands XLA has to transpose (see ``_canonical_dot_operands``).
+
+    In a train step these are transposed activations for the weight-gradient
+    dots, which raise XLA's peak at large shapes. One copy per operand, made at
+    the first dot that needs it and shared until the last (XLA's CSE). XLA's
+    breadth-first CPU scheduler often makes it earlier, right after its operand;
+    modelling that measured worse on the benchmark programs than this.
+    """
+    spans: dict[int, list[int]] = {}
+    for p, ni in enumerate(order):
+        node = graph.nodes[ni]
+        params = dict(node.params)
+        if node.primitive != "dot_general" or "dimension_numbers" not in params:
+            continue
+        if len(node.inputs) != 2:
+            continue
+        (lc, rc), (lb, rb) = params["dimension_numbers"]
+        lhs, lc, lb = _through_transpose(graph, owner, node.inputs[0], lc, lb)
+        rhs, rc, rb = _through_transpose(graph, owner, node.inputs[1], rc, rb)
+        vals = [graph.values[lhs], graph.values[rhs]]
+        ok = _canonical_dot_operands(((lc, rc), (lb, rb)),
+                                     (len(vals[0].shape), len(vals[1].shape)))
+        for v, fine in zip(vals, ok, strict=True):
+            if fine or len(v.shape) < 2:
+                continue
+            span = spans.setdefault(v.id, [p, p])
+            span[1] = p
+    return [Extra(v, graph.values[v].nbytes, a, b, "transposed copy")
+            for v, (a, b) in spans.items()]
+
+
+def _through_transpose(graph: Graph, owner: dict[int, int], v: int, contracting: tuple,
+                       batch: tuple) -> tuple[int, tuple, tuple]:
+    """A dot operand and its dims, seen through a transpose folded into the dot."""
+    p = graph.producers.get(v)
+    if p is None or owner.get(v, v) != -1 or graph.nodes[p].primitive != "transpose":
+        return v, tuple(contracting), tuple(batch)
+    perm = dict(graph.nodes[p].params).get("permutation")
+    if perm is None or not graph.nodes[p].inputs:
+        return v, tuple(contracting), tuple(batch)
+    return (graph.nodes[p].inputs[0], tuple(perm[i] for i in contracting),
+            tuple(perm[i] for i in batch))

@@ -1,0 +1,92 @@
+"""Shared test programs: small train steps, XLA's peak as the oracle, and the error bounds.
+
+The programs themselves live in :mod:`bench.programs` (the accuracy benchmark runs
+the same steps at larger sizes); this module picks sizes that compile in about a
+second on two CPU cores and states the accuracy jaxmem documents for them.
+
+Error bounds (relative error of ``Report.peak_bytes_at`` against XLA's
+``argument + output - alias + temp``), the targets of issue 2, measured by
+``python -m bench.accuracy``:
+
+* ``MEDIAN_BOUND``: the median over a program's shapes is at most 10 %;
+* ``WORST_BOUND``: every shape is within 25 %.
+"""
+
+from __future__ import annotations
+
+import statistics
+import warnings
+from collections.abc import Mapping, Sequence
+
+import jaxmem
+from bench.programs import (
+    Program,
+    attention_program,
+    gpt_program,
+    llama_program,
+    mlp_program,
+    reshape_program,
+    xla_peak,
+)
+
+MEDIAN_BOUND = 0.10
+WORST_BOUND = 0.25
+
+__all__ = ["MEDIAN_BOUND", "WORST_BOUND", "Program", "attention_program", "errors_against_xla",
+           "gpt_program", "llama_program", "mlp_program", "reshape_program", "relative_error",
+           "small_attention", "small_gpt", "small_mlp", "small_reshape", "xla_peak"]
+
+
+def small_mlp() -> Program:
+    """A 2-hidden-layer MLP step (AdamW), dims ``b``."""
+    return mlp_program(d_in=128, hidden=256, layers=2, classes=10, max_b=2048)
+
+
+def small_attention() -> Program:
+    """One attention block with an ``s x s`` score tensor (AdamW), dims ``b, s``."""
+    return attention_program(d=64, heads=2, vocab=64, max_b=8, max_s=256)
+
+
+def small_reshape() -> Program:
+    """``f32[b, 2*s]`` viewed as ``[b*s, 2]`` plus a ``floordiv(s + 1, 2)`` slice (Adam)."""
+    return reshape_program(width=64, max_b=32, max_s=512)
+
+
+def small_gpt() -> Program:
+    """A 2-layer GPT-like LM step (LayerNorm, attention, GELU MLP, optax CE, AdamW)."""
+    return gpt_program(layers=2, d=64, heads=2, vocab=64, max_b=8, max_s=256)
+
+
+def relative_error(predicted: int, actual: int) -> float:
+    """Signed relative error (positive: jaxmem over-predicts)."""
+    return (predicted - actual) / actual
+
+
+def analyze_program(program: Program) -> jaxmem.Report:
+    """``jaxmem.analyze`` on a program's symbolic specs (warnings about unknown ops muted)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jaxmem.JaxmemWarning)
+        return jaxmem.analyze(program.step, *program.symbolic_args())
+
+
+def errors_against_xla(program: Program, shapes: Sequence[Mapping[str, int]]
+                       ) -> list[tuple[dict[str, int], int, int, float]]:
+    """(shape, xla_peak, predicted, relative error) for each shape, one analysis for all."""
+    report = analyze_program(program)
+    rows = []
+    for dims in shapes:
+        actual = xla_peak(program, dims)
+        predicted = report.peak_bytes_at(**dims)
+        rows.append((dict(dims), actual, predicted, relative_error(predicted, actual)))
+    return rows
+
+
+def within_bounds(rows: Sequence[tuple[dict[str, int], int, int, float]]) -> str | None:
+    """None when the rows meet the documented bounds, else a message with the table."""
+    errs = [abs(r[3]) for r in rows]
+    if statistics.median(errs) <= MEDIAN_BOUND and max(errs) <= WORST_BOUND:
+        return None
+    table = "\n".join(f"  {d}: xla={a} predicted={p} error={100 * e:+.1f}%" for d, a, p, e in rows)
+    return (f"median |error| {100 * statistics.median(errs):.1f}% (bound "
+            f"{100 * MEDIAN_BOUND:.0f}%), worst {100 * max(errs):.1f}% (bound "
+            f"{100 * WORST_BOUND:.0f}%):\n{table}")
