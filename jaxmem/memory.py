@@ -298,7 +298,7 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
                 point[m] = point.get(m, 0) + c
         points.append({m: c for m, c in point.items() if c != 0})
     candidates = _frontier(points, dom, tally, symbolic)
-    temp = sympy.Max(*[_to_expr(points[p]) for p in candidates]) if candidates else sympy.Integer(0)
+    temp = _max([_to_expr(points[p]) for p in candidates])
     upper = temp
     if reuse_outputs:
         aliased = _aliased_outputs(graph, donated)
@@ -333,6 +333,18 @@ def _aliased_outputs(graph: Graph, donated: Sequence[int]) -> set[int]:
     return out
 
 
+_COMPARE_BUDGET = 96
+
+
+def _max(exprs: list[sympy.Expr]) -> sympy.Expr:
+    """``Max`` without sympy's pairwise simplification (quadratic and slow on long sums)."""
+    if not exprs:
+        return sympy.Integer(0)
+    if len(exprs) == 1:
+        return exprs[0]
+    return sympy.Max(*exprs, evaluate=False)
+
+
 def _frontier(points: list[LinExpr], dom: ShapeDomain, tally: collections.Counter[str],
               symbolic: bool) -> list[int]:
     """Positions whose live bytes may be the maximum somewhere in the domain."""
@@ -351,12 +363,17 @@ def _frontier(points: list[LinExpr], dom: ShapeDomain, tally: collections.Counte
             keep = [q for q in keep if not _dominates(pt, points[q])]
             tally["symbolic"] += 1 if before != len(keep) else 0
         keep.append(p)
-    # What dominance cannot settle goes to the comparison oracle.
+    # What dominance cannot settle goes to the comparison oracle, within a budget of
+    # calls: a point kept unpruned only makes the Max longer, never wrong.
     survivors: list[int] = []
+    budget = _COMPARE_BUDGET
     for p in keep:
         expr = _to_expr(points[p])
         dominated = False
         for q in list(survivors):
+            if budget <= 0:
+                break
+            budget -= 1
             c = compare(expr, _to_expr(points[q]), dom, symbolic=symbolic)
             tally[c.decided_by] += 1
             if c.result in (Cmp.LT, Cmp.LE, Cmp.EQ):
