@@ -13,6 +13,12 @@ Usage::
 Prints a table (program, shape, xla_peak, predicted, error) and the median and
 worst absolute relative error per program and overall, and writes all of it as
 JSON: ``{"rows": [...], "summary": {...}, "analyze_timing": {...}}``.
+
+Targets: median error <= 10 %, worst <= 25 % (tests assert these, see
+``tests/programs.py``). Measured on CPU (jax 0.10.2, 2 cores), full grid:
+median 1.6 %, worst 7.5 % (MLP 0.0 / 6.0, GPT 1.5 / 2.8, Llama 2.9 / 7.5);
+before output reuse and the XLA fusion rules: median 10.2 %, worst 36.1 %.
+``jaxmem.analyze`` of the 4-layer Llama-1B-sized step: about 1 s.
 """
 
 from __future__ import annotations

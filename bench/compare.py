@@ -118,6 +118,7 @@ def run_comparison(workload: Workload, grid: Sequence[tuple[int, int]], *,
         budget_bytes = choose_budget(budget_methods, *grid[-1], budget_fraction, log)
     m = Methods(workload, budget_bytes, max_b, max_s)
     m._compiled.update(budget_methods._compiled)  # plain executables do not depend on it
+    m.first_compile_s = budget_methods.first_compile_s
     m._batches.update(budget_methods._batches)
     log(f"grid: {list(grid)}; methods: {list(methods)}; repeats {repeats}")
     result: dict[str, Any] = {"budget_bytes": budget_bytes, "rows": [], "epoch": {},

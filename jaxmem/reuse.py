@@ -51,6 +51,11 @@ def _fits(e: sympy.Expr, k: sympy.Expr, dom: ShapeDomain,
     """1 where a temporary of size ``e`` fits an allocation of size ``k``, else 0."""
     key = (e, k)
     if key not in cache:
+        mono = _monotone_fit(e, k, dom) if symbolic else None
+        if mono is not None:
+            tally["symbolic"] += 1
+            cache[key] = mono
+            return mono
         c = compare(e, k, dom, symbolic=symbolic)
         tally[c.decided_by] += 1
         if c.result in (Cmp.LT, Cmp.LE, Cmp.EQ):
@@ -60,6 +65,36 @@ def _fits(e: sympy.Expr, k: sympy.Expr, dom: ShapeDomain,
         else:
             cache[key] = sympy.Piecewise((1, sympy.Le(e, k)), (0, True))
     return cache[key]
+
+
+def _monotone_fit(e: sympy.Expr, k: sympy.Expr, dom: ShapeDomain) -> sympy.Expr | None:
+    """Decides ``e <= k`` for a size ``e`` with non-negative coefficients and a number ``k``.
+
+    Such a polynomial grows with every dim, so its extremes on the box are at the
+    lower and upper corners: below ``k`` at the upper corner fits everywhere,
+    above it at the lower corner nowhere, otherwise the fit is a genuine step.
+    Sizes of several dims (``b*s**2``) have no single split point, which is why
+    :func:`jaxmem.symbolic.compare` would sample them.
+    """
+    if not k.is_number:
+        return None
+    syms = [sym(n) for n in dom.symbols]
+    try:
+        poly = sympy.Poly(e, *syms)
+    except sympy.PolynomialError:
+        return None
+    if any(c < 0 for c in poly.coeffs()):
+        return None
+    low = e.subs({x: lo for x, lo in zip(syms, dom.lower, strict=True)})
+    if low > k:
+        return sympy.Integer(0)
+    if all(hi is not None for hi in dom.upper):
+        high = e.subs({x: hi for x, hi in zip(syms, dom.upper, strict=True)})
+        if high <= k:
+            return sympy.Integer(1)
+    if dom.constraints:
+        return None  # general constraints cut the box: let compare use them
+    return sympy.Piecewise((1, sympy.Le(e, k)), (0, True))
 
 
 def point_expression(items: Sequence[Item], allocations: Sequence[Item], dom: ShapeDomain,

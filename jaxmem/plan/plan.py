@@ -116,35 +116,16 @@ def compile_level(analysis: Analysis, k: int, dims: dict[str, int], static: tupl
     splits dim ``axis`` into that many accumulation steps in ``jaxmem.value_and_grad``.
     """
     level = analysis.plans.levels[k]
-    avals = [_as_struct(x) for x in jax.tree_util.tree_leaves(dynamic)]
-    tree = jax.tree_util.tree_structure(dynamic)
-    def fresh(*a: Any) -> Any:  # a new function: JAX's trace cache cannot see the context
-        return analysis.flat_fn(*a)
-
-    with microbatching(microbatches, dims.get(axis, 0)):
-        closed, out_shape = jax.make_jaxpr(fresh if microbatches > 1 else analysis.flat_fn,
-                                           return_shape=True)(
-            *jax.tree_util.tree_unflatten(tree, avals))
-    graph = build_graph(closed)
     wanted = set(level.recompute)
-    chosen = [r for r in find_residuals(graph) if r.group in wanted]
-    rewritten = apply_remat(graph, chosen)
     order = analysis.orders[k] if apply_order else None
     enforced = False
-    if order is not None and order != list(range(len(order))) and microbatches == 1:
-        same = [n.primitive for n in rewritten.nodes] == [
-            n.primitive for n in analysis.plans.levels[k].graph.nodes]
-        if same:
-            rewritten, enforced = reorder(rewritten, order), True
-        else:
-            warnings.warn("jaxmem: the concrete trace differs from the symbolic one; the "
-                          "scheduler's order is not applied at this shape", JaxmemWarning,
-                          stacklevel=3)
-    body = as_function(rewritten, enforce_order=enforced)
-    out_tree = jax.tree_util.tree_structure(out_shape)
-
-    def run(*dyn: Any) -> Any:
-        return jax.tree_util.tree_unflatten(out_tree, body(*jax.tree_util.tree_leaves(dyn)))
+    plain = (not wanted and microbatches == 1
+             and (order is None or order == list(range(len(order)))))
+    if plain:
+        # Nothing to rewrite: compile the user's function itself, as jax.jit would.
+        run: Any = analysis.flat_fn
+    else:
+        run, enforced = _rewritten(analysis, k, dims, dynamic, order, microbatches, axis)
 
     kwargs: dict[str, Any] = {"donate_argnums": analysis.donate_dynamic}
     if jitted.in_shardings is not None:
@@ -168,3 +149,40 @@ def compile_level(analysis: Analysis, k: int, dims: dict[str, int], static: tupl
                 tuple(g for g in all_groups if g not in wanted), predicted,
                 xla_peak_bytes(compiled), budget, compiled, enforced, jitted.static_argnums,
                 guard, microbatches)
+
+
+def _rewritten(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tuple[Any, ...],
+               order: list[int] | None, microbatches: int, axis: str) -> tuple[Any, bool]:
+    """The function of level ``k`` at these shapes: concrete trace, remat, order."""
+    level = analysis.plans.levels[k]
+    avals = [_as_struct(x) for x in jax.tree_util.tree_leaves(dynamic)]
+    tree = jax.tree_util.tree_structure(dynamic)
+
+    def fresh(*a: Any) -> Any:  # a new function: JAX's trace cache cannot see the context
+        return analysis.flat_fn(*a)
+
+    with microbatching(microbatches, dims.get(axis, 0)):
+        closed, out_shape = jax.make_jaxpr(fresh if microbatches > 1 else analysis.flat_fn,
+                                           return_shape=True)(
+            *jax.tree_util.tree_unflatten(tree, avals))
+    graph = build_graph(closed)
+    wanted = set(level.recompute)
+    chosen = [r for r in find_residuals(graph) if r.group in wanted]
+    rewritten = apply_remat(graph, chosen)
+    enforced = False
+    if order is not None and order != list(range(len(order))) and microbatches == 1:
+        same = [n.primitive for n in rewritten.nodes] == [
+            n.primitive for n in analysis.plans.levels[k].graph.nodes]
+        if same:
+            rewritten, enforced = reorder(rewritten, order), True
+        else:
+            warnings.warn("jaxmem: the concrete trace differs from the symbolic one; the "
+                          "scheduler's order is not applied at this shape", JaxmemWarning,
+                          stacklevel=3)
+    body = as_function(rewritten, enforce_order=enforced)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+
+    def run(*dyn: Any) -> Any:
+        return jax.tree_util.tree_unflatten(out_tree, body(*jax.tree_util.tree_leaves(dyn)))
+
+    return run, enforced
