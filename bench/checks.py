@@ -83,7 +83,7 @@ def must_show(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     ratios = []
     for b, s in shapes:
         j, st = _row(rows, b, s, "jaxmem"), _row(rows, b, s, "jaxmem-static")
-        if j and st:  # an infeasible row's peak is its best plan's (min_peak_bytes)
+        if j and st and j["peak_bytes"] and st["peak_bytes"]:  # infeasible: min_peak_bytes
             ratios.append((b, s, j["peak_bytes"] / st["peak_bytes"]))
     checks["jaxmem_peak_le_1.02x_static"] = {
         "ok": bool(ratios) and all(r <= 1.02 for *_, r in ratios),
@@ -92,8 +92,9 @@ def must_show(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     jm = [r for r in rows if r["method"] == "jaxmem"]
     checks["jaxmem_fits_budget_everywhere"] = {
         "ok": bool(jm) and all(r["fits_budget"] for r in jm),
-        "detail": ", ".join(f"({r['b']},{r['s']}): {r['peak_bytes'] / 2**20:.1f} MiB "
-                            f"{'fits' if r['fits_budget'] else 'OVER'}" for r in jm)}
+        "detail": ", ".join(f"({r['b']},{r['s']}): {(r['peak_bytes'] or 0) / 2**20:.1f} MiB "
+                            f"{'fits' if r['fits_budget'] else r.get('error', 'OVER')}"
+                            for r in jm)}
 
     wins = [(b, s) for b, s in shapes
             if (x := _row(rows, b, s, "xla")) and (j := _row(rows, b, s, "jaxmem"))

@@ -80,7 +80,14 @@ def run_grid(methods: Methods, grid: Sequence[tuple[int, int]], which: Sequence[
         xla_call = None
         for method in order:
             t0 = time.perf_counter()
-            row, prepared = measure(methods, method, b, s, repeats, xla_s, xla_call)
+            try:
+                row, prepared = measure(methods, method, b, s, repeats, xla_s, xla_call)
+            except Exception as e:  # one broken method must not lose the others' rows
+                if method == "xla":
+                    raise
+                rows.append(_error_row(methods, method, b, s, e))
+                log(f"  (b={b:>2}, s={s:>4}) {method:<21} FAILED: {type(e).__name__}: {e}")
+                continue
             if method == "xla":
                 xla_s, xla_call = row["step_s"], prepared.call
                 row["step_ratio"] = 1.0
@@ -94,6 +101,14 @@ def run_grid(methods: Methods, grid: Sequence[tuple[int, int]], which: Sequence[
         if save is not None:
             save(rows)
     return rows
+
+
+def _error_row(methods: Methods, method: str, b: int, s: int, e: Exception) -> dict[str, Any]:
+    """A row for a method that raised (not a budget verdict: ``error`` says what broke)."""
+    return {"workload": methods.w.name, "b": b, "s": s, "method": method, "peak_bytes": None,
+            "predicted_peak_bytes": None, "step_s": None, "step_ratio": None,
+            "fits_budget": False, "run_s": s, "compile_s": None, "level": None,
+            "error": f"{type(e).__name__}: {e}"[:500]}
 
 
 def run_comparison(workload: Workload, grid: Sequence[tuple[int, int]], *,

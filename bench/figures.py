@@ -71,7 +71,9 @@ def plot_peaks(rows: Sequence[dict[str, Any]], budget: int, path: Path) -> Path:
     keys = sorted({(r["method"], r["b"]) for r in rows})
     for method, b in keys:
         pts = sorted((r["s"], r["peak_bytes"] / MIB) for r in rows
-                     if r["method"] == method and r["b"] == b)
+                     if r["method"] == method and r["b"] == b and r["peak_bytes"] is not None)
+        if not pts:
+            continue
         style = "-o" if method.startswith("jaxmem") else "--x"
         ax.plot(*zip(*pts, strict=True), style, label=f"{method} (b={b})")
     ax.axhline(budget / MIB, color="red", lw=2, label="budget")

@@ -78,10 +78,12 @@ def _monotone_fit(e: sympy.Expr, k: sympy.Expr, dom: ShapeDomain) -> sympy.Expr 
     """
     if not k.is_number:
         return None
+    if e.is_number:  # static shapes: nothing to decide symbolically
+        return sympy.Integer(1 if e <= k else 0)
     syms = [sym(n) for n in dom.symbols]
     try:
         poly = sympy.Poly(e, *syms)
-    except sympy.PolynomialError:
+    except (sympy.PolynomialError, sympy.polys.polyerrors.GeneratorsNeeded):
         return None
     if any(c < 0 for c in poly.coeffs()):
         return None

@@ -46,6 +46,10 @@ def test_json_contract(result: tuple[dict, Path]) -> None:
     assert isinstance(res["budget_bytes"], int) and res["budget_bytes"] > 0
     assert {r["method"] for r in res["rows"]} == set(METHODS_UNDER_TEST)
     for row in res["rows"]:
+        if "error" in row:  # a method that raised is recorded, not lost (a jaxmem bug)
+            assert row["method"] != "xla" and isinstance(row["error"], str)
+            assert row["peak_bytes"] is None and row["fits_budget"] is False
+            continue
         for key, typ in ROW_KEYS.items():
             assert isinstance(row[key], typ), (key, row)
         assert row["predicted_peak_bytes"] is None or isinstance(row["predicted_peak_bytes"], int)

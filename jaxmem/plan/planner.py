@@ -122,11 +122,13 @@ def _corner(dom: ShapeDomain) -> dict[sympy.Symbol, int]:
 
 
 def _efficiency(graph: Graph, chosen: list[Residual], group: list[Residual],
-                corner: dict[sympy.Symbol, int]) -> float:
+                corner: dict[sympy.Symbol, int], min_bytes: float = 0.0) -> float:
     """Bytes freed per FLOP re-run if ``group`` joins ``chosen``, at the domain's corner.
 
     Chains are taken relative to what stays saved, so a group whose residuals
     would have to be rebuilt from other recomputed ones costs what it really costs.
+    A group freeing less than ``min_bytes`` scores 0: it would spend a level on
+    noise and keep the levels that matter out of reach.
     """
     chains = [c for r, c in recompute_chains(graph, chosen + group) if r in group]
     if not chains:
@@ -134,11 +136,16 @@ def _efficiency(graph: Graph, chosen: list[Residual], group: list[Residual],
     nodes = {i for c in chains for i in c}
     flops = float(sympy.Add(*[graph.nodes[i].flops for i in nodes]).subs(corner)) + 1.0
     freed = float(sympy.Add(*[r.nbytes for r in group]).subs(corner))
+    if freed < min_bytes:
+        return 0.0
     return freed / flops
 
 
+_MIN_GROUP_FRACTION = 0.01  # of the unplanned peak at the domain's largest corner
+
+
 def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
-                donated: tuple[int, ...] = (), max_levels: int = 12) -> PlanSet:
+                donated: tuple[int, ...] = (), max_levels: int = 16) -> PlanSet:
     """Derives the levels of recomputation for a differentiated graph.
 
     Args:
@@ -163,10 +170,12 @@ def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
     remaining = dict(groups)
     corner = _corner(dom)
     order: list[str] = []
+    min_bytes = _MIN_GROUP_FRACTION * levels[0].peak_fn({str(k): v for k, v in corner.items()})
     # Greedy: the group that frees most bytes per re-run FLOP, given what is
     # already recomputed; kept only if it lowers the symbolic peak somewhere.
     while remaining and len(levels) <= max_levels:
-        scores = {n: _efficiency(graph, chosen, list(rs), corner) for n, rs in remaining.items()}
+        scores = {n: _efficiency(graph, chosen, list(rs), corner, min_bytes)
+                  for n, rs in remaining.items()}
         name = max(sorted(remaining), key=lambda n: scores[n])
         group = remaining.pop(name)
         order.append(name)
