@@ -13,6 +13,7 @@ from jaxmem.grad import value_and_grad
 from jaxmem.graph import JaxmemWarning
 from jaxmem.jit import Jitted, jit
 from jaxmem.plan.plan import Plan
+from jaxmem.regions import region
 from jaxmem.schedulers import Scheduler
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "SymbolicError",
     "analyze",
     "jit",
+    "region",
     "schedulers",
     "value_and_grad",
 ]
