@@ -164,14 +164,17 @@ def _broadcast_operands(graph: Graph, e: Node, region: set[int], owner: dict[int
     for x in e.inputs:
         if x in region or (x, e.index) in seen:
             continue
-        src = x
         p = producers.get(x)
-        if (p is not None and graph.nodes[p].primitive == "broadcast_in_dim"
-                and graph.nodes[p].inputs):
-            src = graph.nodes[p].inputs[0]
+        # Only operands the jaxpr broadcasts count (a concatenate's operands do not).
+        if (p is None or graph.nodes[p].primitive != "broadcast_in_dim"
+                or not graph.nodes[p].inputs):
+            continue
+        src = graph.nodes[p].inputs[0]
         small = _elements(graph, src)
-        # Broadcasts of constant-size tensors (biases, scales) are read in place.
-        if not small.free_symbols or small == size:
+        # Broadcasts of vectors (biases, scales) are read in place. Decided by rank,
+        # not by whether the size is symbolic, so that a concrete trace of the same
+        # program gets the same buffers as the symbolic one.
+        if len(graph.values[src].shape) <= 1 or small == size:
             continue
         seen.add((x, e.index))
         o = owner.get(src, src)

@@ -166,13 +166,18 @@ def point_expression(items: Sequence[Item], allocations: Sequence[Item], dom: Sh
 
 
 def _sorted_allocations(allocations: Sequence[Item], dom: ShapeDomain) -> list[Item]:
-    """Allocation groups largest first (sizes evaluated at the domain's lower corner)."""
+    """Allocation groups largest first (at the lower corner, then at the upper one)."""
     low = {sym(n): lo for n, lo in zip(dom.symbols, dom.lower, strict=True)}
     merged: dict[sympy.Expr, int] = {}
     for k, m in allocations:
         if m:
             merged[k] = merged.get(k, 0) + m
-    return sorted(merged.items(), key=lambda km: -float(km[0].subs(low)))
+    # Ties at the lower corner (4*b*s vs 4*b*s**2 at s=1) are broken at the upper
+    # corner, so that the larger size comes first wherever they differ.
+    high = {sym(n): (hi if hi is not None else max(lo, 1) * 64)
+            for n, lo, hi in zip(dom.symbols, dom.lower, dom.upper, strict=True)}
+    return sorted(merged.items(),
+                  key=lambda km: (-float(km[0].subs(low)), -float(km[0].subs(high))))
 
 
 def _min2(a: sympy.Expr, b: sympy.Expr) -> sympy.Expr:
