@@ -22,7 +22,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -101,7 +100,6 @@ def _final_params(ckpt: Path, step: int) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(restored["params"])]
 
 
-@pytest.mark.slow
 def test_sigkill_during_checkpoint_write_resumes_exactly(tmp_path: Path) -> None:
     data = _data(tmp_path / "add.jsonl")
     ref_ckpt, ckpt = tmp_path / "ref", tmp_path / "killed"

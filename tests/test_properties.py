@@ -26,7 +26,7 @@ MAX_B, MAX_S = 6, 12
 CONSTRAINTS = (f"b <= {MAX_B}", f"s <= {MAX_S}")
 TOL = 1e-5
 
-COMPILES = settings(max_examples=25, deadline=None, database=None,
+COMPILES = settings(max_examples=200, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -152,7 +152,7 @@ def budgeted(fraction: float) -> tuple[jaxmem.Jitted, int]:
                       budget_bytes=budget), budget
 
 
-@settings(max_examples=8, deadline=None, database=None,
+@settings(max_examples=200, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(b=st.integers(MAX_B - 2, MAX_B), s=st.integers(MAX_S - 4, MAX_S),
        seed=st.integers(0, 2**16), fraction=st.sampled_from((0.7, 0.9)))
@@ -176,7 +176,7 @@ def test_tight_budget_changes_the_plan_not_the_result(b: int, s: int, seed: int,
 
 
 @given(variant=VARIANTS)
-@settings(max_examples=10, deadline=None, database=None)
+@settings(max_examples=200, deadline=None, database=None)
 def test_out_of_range_shapes_are_refused(variant: tuple) -> None:
     planned, _, shapes, x_shape = compiled(variant)
     params = _params(shapes, 0)
