@@ -170,24 +170,34 @@ def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
     remaining = dict(groups)
     corner = _corner(dom)
     order: list[str] = []
+    small: list[Residual] = []
+    small_names: list[str] = []
     min_bytes = _MIN_GROUP_FRACTION * levels[0].peak_fn({str(k): v for k, v in corner.items()})
     # Greedy: the group that frees most bytes per re-run FLOP, given what is
     # already recomputed; kept only if it lowers the symbolic peak somewhere.
     while remaining and len(levels) <= max_levels:
         scores = {n: _efficiency(graph, chosen, list(rs), corner, min_bytes)
                   for n, rs in remaining.items()}
+        for n in sorted(remaining):
+            if scores[n] <= 0.0 and _efficiency(graph, chosen, list(remaining[n]), corner) > 0:
+                small.extend(remaining.pop(n))  # too small for a level: rides along
+                small_names.append(n)
+                order.append(n)
+        if not remaining:
+            break
         name = max(sorted(remaining), key=lambda n: scores[n])
         group = remaining.pop(name)
         order.append(name)
         if scores[name] <= 0.0:
             continue
-        trial = chosen + list(group)
+        trial = chosen + list(group) + small
         g2 = apply_remat(graph, trial)
         m = memory_model(g2, dom, donated=donated, symbolic=symbolic)
         if not _lowers_somewhere(m.peak_bytes, levels[-1].memory.peak_bytes, dom, symbolic,
                                  tally):
             continue  # never lowers the peak: recomputing it would only cost time
-        chosen, names = trial, names + [name]
+        chosen, names = trial, names + [name] + small_names
+        small, small_names = [], []
         flops = sympy.Add(*[r.recompute_flops for r in chosen])
         levels.append(Level(tuple(names), tuple(chosen), g2, m, flops))
     order.extend(sorted(remaining))
