@@ -79,12 +79,7 @@ def plot_peaks(rows: Sequence[dict[str, Any]], budget: int, path: Path) -> Path:
     ax.axhline(budget / MIB, color="red", lw=2, label="budget")
     ax.set_xlabel("sequence length s")
     ax.set_ylabel("peak MiB (XLA memory_analysis)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, legend_size=7)
 
 
 def plot_predicted(rows: Sequence[dict[str, Any]], path: Path) -> Path:
@@ -105,7 +100,7 @@ def plot_predicted(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _plt().close(fig)
     return path
 
 
@@ -125,9 +120,14 @@ def plot_timelines(xla_curve: Sequence[int], jaxmem_curve: Sequence[int], label:
     ax.set_xlabel("program position (fraction of schedule)")
     ax.set_ylabel("live MiB")
     ax.set_title(label)
-    ax.legend(fontsize=8)
+    return _save(fig, ax, path, legend_size=8)
+
+
+def _save(fig: Any, ax: Any, path: Path, legend_size: int) -> Path:
+    """Legend, grid, tight layout, write the PNG and free the figure."""
+    ax.legend(fontsize=legend_size)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _plt().close(fig)
     return path
