@@ -74,3 +74,14 @@ def test_figures_written(result: tuple[dict, Path]) -> None:
 
 def test_bucket_length() -> None:
     assert [bucket_length(s, 100) for s in (1, 2, 3, 64, 65, 99)] == [1, 2, 4, 64, 100, 100]
+
+
+def test_dispatch_bench_writes_its_figures(tmp_path: Path) -> None:
+    from bench import dispatch
+
+    out = tmp_path / "dispatch.json"
+    assert dispatch.main(["--quick", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["case"] for r in res["rows"]] == list(dispatch.CASES)
+    for row in res["rows"]:
+        assert row["jax_jit_us"] > 0 and row["jaxmem_us"] > 0 and row["ratio"] > 0

@@ -275,3 +275,38 @@ def test_threads_share_the_cache():
     assert f.compiles == 2 and len(f._analyses) == 1
     for i, b in enumerate(sizes):
         assert_tree_close(results[i], MLP_REF(MLP_PARAMS, rows(b)))
+
+
+def test_fast_path_still_validates_every_leaf(monkeypatch: pytest.MonkeyPatch):
+    """The call fast path reads one leaf per dim; the others are checked by the executable."""
+    def f(x, y):
+        return x * 2 + y
+
+    g = jaxmem.jit(f, polymorphic_shapes=("b, 8", "b, 8"), constraints=("b <= 16",))
+    x = jnp.ones((4, 8))
+    assert_tree_close(g(x, x), f(x, x))
+    calls = []
+    slow = jaxmem.Jitted.plan_for
+    monkeypatch.setattr(jaxmem.Jitted, "plan_for",
+                        lambda self, *a: calls.append(a) or slow(self, *a))
+    assert_tree_close(g(x, x + 1), f(x, x + 1))
+    assert calls == []  # a seen shape is dispatched without planning
+    with pytest.raises(jaxmem.ShapeOutOfRangeError, match=r"dimension b is 4.*but 3 in args\[1\]"):
+        g(x, jnp.ones((3, 8)))
+    with pytest.raises(jaxmem.ShapeOutOfRangeError, match=r"args\[1\] axis 1 is 7"):
+        g(x, jnp.ones((4, 7)))
+    assert_tree_close(g(x.astype(jnp.int32), x.astype(jnp.int32)), f(x, x).astype(jnp.int32))
+    assert_tree_close(g(x, x), f(x, x))  # the float plan is still the one that runs
+    with pytest.raises(jaxmem.ShapeOutOfRangeError, match="b=17 is above its upper bound 16"):
+        g(jnp.ones((17, 8)), jnp.ones((17, 8)))
+
+
+def test_fast_path_keys_on_static_arguments():
+    def f(x, n):
+        return x * n
+
+    g = jaxmem.jit(f, polymorphic_shapes=("b", None), static_argnums=(1,))
+    x = jnp.arange(3.0)
+    for n in (2, 3, 2, 3):
+        assert_tree_close(g(x, n), x * n)
+    assert g.compiles == 2

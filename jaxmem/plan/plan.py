@@ -67,8 +67,9 @@ class Plan:
 
     def run(self, *args: Any) -> Any:
         """Runs the compiled executable on the full positional arguments."""
-        dynamic = [a for i, a in enumerate(args) if i not in self.static_argnums]
-        return self.compiled(*dynamic)
+        if not self.static_argnums:
+            return self.compiled(*args)
+        return self.compiled(*[a for i, a in enumerate(args) if i not in self.static_argnums])
 
     def describe(self) -> str:
         """Human-readable: what is saved, recomputed, offloaded, and why."""
