@@ -22,18 +22,12 @@ import jax
 
 import jaxmem
 from bench.workload import REMAT_POLICIES, Workload
+from jaxmem import xla_peak_bytes
 from jaxmem.rewrite import compiler_options
 
 METHODS = ("xla", "xla+full_remat", "xla+dots", "jaxmem", "jaxmem-static",
            "jaxmem-fallback-only", "pad-max", "buckets")
 JAXMEM_METHODS = ("jaxmem", "jaxmem-static", "jaxmem-fallback-only")
-
-
-def xla_peak(compiled: Any) -> int:
-    """``argument + output - alias + temp`` of ``compiled.memory_analysis()``."""
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-               + m.temp_size_in_bytes)
 
 
 def bucket_length(s: int, max_len: int) -> int:
@@ -193,7 +187,7 @@ class Methods:
         kind = method if method in REMAT_POLICIES else "xla"
         c, dt = self.compiled(kind, b, run_s)
         state, batch = self.w.state, self.batch(b, run_s)
-        return Prepared(method, b, s, run_s, xla_peak(c), None, dt, lambda: c(state, batch))
+        return Prepared(method, b, s, run_s, xla_peak_bytes(c), None, dt, lambda: c(state, batch))
 
     def _prepare_jaxmem(self, method: str, step: jaxmem.Jitted, b: int, s: int) -> Prepared:
         state, batch = self.w.state, self.batch(b, s)
@@ -208,7 +202,7 @@ class Methods:
             return Prepared(method, b, s, s, int(e.min_peak_bytes), None,
                             time.perf_counter() - t0, None, min_peak_bytes=int(e.min_peak_bytes))
         dt = time.perf_counter() - t0
-        peak = xla_peak(plan.compiled)
+        peak = xla_peak_bytes(plan.compiled)
         return Prepared(method, b, s, s, peak, int(plan.predicted_peak_bytes), dt,
                         lambda: step(state, batch), level=plan.level)
 

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxmem import xla_peak_bytes
+
 Dims = Mapping[str, Any]  # symbol -> int or JAX symbolic dim
 
 
@@ -64,9 +66,7 @@ def xla_peak(program: Program, dims: Dims, compiler_options: dict | None = None)
     from the compiled executable's ``memory_analysis()``.
     """
     lowered = jax.jit(program.step).lower(*program.concrete_args(dims))
-    ma = lowered.compile(compiler_options or {}).memory_analysis()
-    return int(ma.argument_size_in_bytes + ma.output_size_in_bytes
-               - ma.alias_size_in_bytes + ma.temp_size_in_bytes)
+    return xla_peak_bytes(lowered.compile(compiler_options or {}))
 
 
 def _train_state(params: Any, opt: optax.GradientTransformation) -> Any:

@@ -35,6 +35,7 @@ from hlo_passes.hlo_text import (
 )
 from hlo_passes.liveness import Liveness, analyze, caller_positions
 from hlo_passes.xla_proto import BufferAssignment, read_buffer_assignment
+from jaxmem import xla_peak_bytes
 
 Source = Literal["auto", "buffer_assignment", "hlo_text"]
 
@@ -136,24 +137,6 @@ class HloTimeline:
         from hlo_passes.plot import format_timeline
 
         return format_timeline(self)
-
-
-def xla_peak_bytes(compiled: Any) -> int:
-    """Peak bytes of ``compiled`` as DESIGN §2 defines them.
-
-    ``argument + output - alias + temp`` from ``compiled.memory_analysis()``.
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> c = jax.jit(lambda x: x * 2).lower(jnp.ones(256, jnp.float32)).compile()
-        >>> xla_peak_bytes(c)
-        2048
-    """
-    stats = compiled.memory_analysis()
-    if stats is None:
-        raise ValueError("this executable has no memory_analysis()")
-    return (stats.argument_size_in_bytes + stats.output_size_in_bytes
-            - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
 
 
 def _shape_fields(shape: Shape) -> tuple[str, str, tuple[int, ...]]:

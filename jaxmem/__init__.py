@@ -12,7 +12,7 @@ from jaxmem.analyze import Report, analyze
 from jaxmem.grad import value_and_grad
 from jaxmem.graph import JaxmemWarning
 from jaxmem.jit import Jitted, jit
-from jaxmem.plan.plan import Plan
+from jaxmem.plan.plan import Plan, xla_peak_bytes
 from jaxmem.regions import region
 from jaxmem.schedulers import Scheduler
 
@@ -32,4 +32,5 @@ __all__ = [
     "region",
     "schedulers",
     "value_and_grad",
+    "xla_peak_bytes",
 ]

@@ -24,24 +24,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxmem import xla_peak_bytes
+
 Shape = tuple[int, ...]
 
 
 class JaxmemUnavailableError(RuntimeError):
     """``--scheduler jaxmem`` was asked for, but the installed jaxmem has no ``jit``."""
-
-
-def peak_bytes(compiled: jax.stages.Compiled) -> int:
-    """``argument + output - alias + temp`` bytes of a compiled executable.
-
-    Example:
-        >>> f = jax.jit(lambda x: x * 2).lower(jax.numpy.ones(4)).compile()
-        >>> peak_bytes(f)
-        32
-    """
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes
-               - m.alias_size_in_bytes + m.temp_size_in_bytes)
 
 
 def batch_spec(shape: Shape, sharding: Any = None) -> dict[str, jax.ShapeDtypeStruct]:
@@ -106,7 +95,7 @@ class XlaRunner:
         compiled = compiled.compile()
         with self._lock:
             self.compile_s += time.perf_counter() - start
-            self.peaks[shape] = peak_bytes(compiled)
+            self.peaks[shape] = xla_peak_bytes(compiled)
         return compiled
 
     def compile_ahead(self, shapes: Iterable[Shape]) -> None:
@@ -203,7 +192,7 @@ class JaxmemRunner:
             self.compile_s += time.perf_counter() - start
             self.wait_s = self.compile_s
             self._plans[shape] = plan
-            self.peaks[shape] = peak_bytes(plan.compiled)
+            self.peaks[shape] = xla_peak_bytes(plan.compiled)
             self.predicted[shape] = int(plan.predicted_peak_bytes)
         return self._plans[shape]
 
