@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The 1b bf16 comparison and epoch figure on one NVIDIA H200 (Python 3.12, jax 0.11.2 CUDA
 # preinstalled, no package registry). Run from anywhere: `bash bench/gpu.sh`.
-# Budget: under 8 minutes in all. Writes bench/results/gpu_1b.json (rewritten after every
+# Budget: under 8 minutes in all. Writes bench/results/gpu_offload.json (bench.offload:
+# offload levels by XLA's figures), bench/results/gpu_1b.json (rewritten after every
 # shape, with "partial": true until the run completes), gpu_1b.log, and the Markdown table
 # and figures under bench/results/gpu/.
 #
@@ -27,6 +28,10 @@ import jax
 print("jax", jax.__version__, "backend", jax.default_backend(), jax.devices())
 assert jax.default_backend() == "gpu", "bench/gpu.sh expects a CUDA backend"
 EOF
+
+# Host offload first (about a minute): CPU cannot measure it, so this is its only check.
+timeout 120 python -m bench.offload --out "$OUT/gpu_offload.json" 2>&1 | tee "$OUT/gpu_offload.log" \
+    || echo "bench.offload did not finish; see $OUT/gpu_offload.log"
 
 # `timeout` stops a run that overruns; the JSON written so far stays (it is saved per shape).
 set +e

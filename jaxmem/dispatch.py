@@ -20,6 +20,7 @@ import sympy
 
 from jaxmem._errors import JaxmemError, ShapeOutOfRangeError
 from jaxmem.graph import Graph, build_graph
+from jaxmem.plan.offload import costs_for, offload_supported
 from jaxmem.plan.planner import PlanSet, plan_levels
 from jaxmem.schedulers import ScheduleGraph, Scheduler, validate_order
 from jaxmem.symbolic import ShapeDomain, sym, to_sympy
@@ -42,6 +43,7 @@ class Analysis:
         orders: per level, the scheduler's validated order or None.
         donated: flat indices of donated leaves.
         donate_dynamic: dynamic-argument positions to donate.
+        offload_planned: whether the plans considered host offload.
     """
 
     flat_fn: Callable[..., Any]
@@ -55,6 +57,7 @@ class Analysis:
     orders: tuple[list[int] | None, ...]
     donated: tuple[int, ...]
     donate_dynamic: tuple[int, ...]
+    offload_planned: bool = False
 
 
 def merge_args(static_argnums: Sequence[int], static: Sequence[Any],
@@ -83,8 +86,12 @@ def _spec_for(polymorphic_shapes: Any, static_argnums: Sequence[int], n_args: in
 def analyze_specs(fun: Callable[..., Any], static: tuple[Any, ...], dynamic: tuple[Any, ...],
                   static_argnums: Sequence[int], polymorphic_shapes: Any,
                   constraints: Sequence[str], scheduler: Scheduler | None,
-                  donate_argnums: Sequence[int], symbolic: bool) -> Analysis:
-    """Traces ``fun`` symbolically and derives its plans (once per structure)."""
+                  donate_argnums: Sequence[int], symbolic: bool,
+                  offload: bool | None = None) -> Analysis:
+    """Traces ``fun`` symbolically and derives its plans (once per structure).
+
+    ``offload`` None plans host offload where the default backend supports it.
+    """
     n_args = len(static) + len(dynamic)
     poly = _spec_for(polymorphic_shapes, static_argnums, n_args)
     leaves_with_path = jax.tree_util.tree_flatten_with_path(dynamic)[0]
@@ -118,12 +125,15 @@ def analyze_specs(fun: Callable[..., Any], static: tuple[Any, ...], dynamic: tup
     dyn_positions = [i for i in range(n_args) if i not in static_argnums]
     donate_dynamic = tuple(dyn_positions.index(i) for i in donate_argnums if i in dyn_positions)
     donated = _flat_indices(dynamic, donate_dynamic)
-    plans = plan_levels(graph, domain, symbolic=symbolic, donated=donated)
+    backend = jax.default_backend()
+    offload = offload_supported(backend) if offload is None else offload
+    plans = plan_levels(graph, domain, symbolic=symbolic, donated=donated, offload=offload,
+                        costs=costs_for(backend))
     orders = tuple(validate_order(level.graph, scheduler.order(ScheduleGraph(level.graph, domain)))
                    if scheduler is not None else None for level in plans.levels)
     paths = tuple(f"args{jax.tree_util.keystr(p)}" for p, _ in leaves_with_path)
     return Analysis(flat_fn, tuple(specs), tuple(traced.in_avals), paths, traced, graph, domain,
-                    plans, orders, donated, donate_dynamic)
+                    plans, orders, donated, donate_dynamic, offload)
 
 
 def _is_arraylike(x: Any) -> bool:

@@ -89,13 +89,15 @@ class Value:
         id: index into ``Graph.values``.
         shape: dims as sympy expressions.
         dtype: numpy dtype name.
-        nbytes: symbolic size in bytes.
+        nbytes: symbolic size in bytes of device memory (0 for a value in host memory).
+        host: whether the value lives in host memory (``jax.memory.Space.Host``).
     """
 
     id: int
     shape: tuple[sympy.Expr, ...]
     dtype: str
     nbytes: sympy.Expr
+    host: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,8 +208,11 @@ class _Builder:
         dtype = getattr(aval, "dtype", None)
         name, itemsize = _dtype_info(dtype)
         nbytes = sympy.Mul(itemsize, *shape) if shape else sympy.Integer(itemsize)
+        # Budgets count device memory; an array moved to host memory takes none of it.
+        host = str(getattr(aval, "memory_space", "")).endswith("Host")
         vid = len(self.values)
-        self.values.append(Value(vid, shape, name, sympy.expand(nbytes)))
+        self.values.append(Value(vid, shape, name, sympy.Integer(0) if host
+                                 else sympy.expand(nbytes), host))
         return vid
 
     def add_node(self, primitive: str, kind: str, inputs: Sequence[int], outputs: Sequence[int],

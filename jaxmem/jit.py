@@ -109,7 +109,8 @@ class Jitted:
                  constraints: Sequence[str] = (), budget_bytes: int | None = None,
                  scheduler: Scheduler | None = None, donate_argnums: int | Iterable[int] = (),
                  static_argnums: int | Iterable[int] = (), in_shardings: Any = None,
-                 out_shardings: Any = None, symbolic: bool = True):
+                 out_shardings: Any = None, symbolic: bool = True,
+                 offload: bool | None = None):
         if not callable(fun):
             raise TypeError(f"jaxmem.jit expects a callable, got {type(fun).__name__}")
         if scheduler is not None and not isinstance(scheduler, Scheduler):
@@ -127,6 +128,9 @@ class Jitted:
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
         self.symbolic = symbolic
+        if offload is not None and not isinstance(offload, bool):
+            raise TypeError(f"offload must be True, False or None (auto), got {offload!r}")
+        self.offload = offload
         self._analyses: dict[Any, Analysis] = {}
         self._plans: dict[Any, Plan] = {}
         self._lock = threading.RLock()
@@ -194,7 +198,7 @@ class Jitted:
         if a is None:
             a = analyze_specs(self.fun, static, dynamic, self.static_argnums,
                               self.polymorphic_shapes, self.constraints, self.scheduler,
-                              self.donate_argnums, self.symbolic)
+                              self.donate_argnums, self.symbolic, self.offload)
             self._analyses[akey] = a
         return a
 
@@ -439,6 +443,9 @@ def jit(fun: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
         scheduler: a :class:`~jaxmem.Scheduler`; None means ``schedulers.MemoryAware()``.
         donate_argnums, static_argnums, in_shardings, out_shardings: as for ``jax.jit``.
         symbolic: False runs the fallback-only ablation.
+        offload: plan moving residuals to host memory (``pinned_host``) as well as
+            recomputing them. None (default) does so where the backend keeps host
+            arrays out of device memory (GPU, TPU), not on CPU.
 
     Example:
         >>> import jax.numpy as jnp, jaxmem

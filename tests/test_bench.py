@@ -85,3 +85,14 @@ def test_dispatch_bench_writes_its_figures(tmp_path: Path) -> None:
     assert [r["case"] for r in res["rows"]] == list(dispatch.CASES)
     for row in res["rows"]:
         assert row["jax_jit_us"] > 0 and row["jaxmem_us"] > 0 and row["ratio"] > 0
+
+
+def test_offload_bench_writes_its_figures(tmp_path: Path) -> None:
+    from bench import offload
+
+    out = tmp_path / "offload.json"
+    assert offload.main(["--quick", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["rows"][0]["offload"] == [] and any(r["offload"] for r in res["rows"])
+    for row in res["rows"]:
+        assert row["peak_bytes"] > 0 and row["max_abs_diff"] < 1e-4

@@ -28,8 +28,19 @@ if TYPE_CHECKING:
 
 
 def xla_peak_bytes(compiled: Any) -> int:
-    """``argument + output - alias + temp`` from XLA's ``memory_analysis()``."""
+    """Peak bytes of a compiled executable as jaxmem judges every figure: XLA's own.
+
+    ``argument + output - alias + temp`` from ``compiled.memory_analysis()``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxmem
+        >>> c = jax.jit(lambda x: x * 2).lower(jnp.ones(256, jnp.float32)).compile()
+        >>> jaxmem.xla_peak_bytes(c)
+        2048
+    """
     m = compiled.memory_analysis()
+    if m is None:
+        raise ValueError("this executable has no memory_analysis()")
     return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
                + m.temp_size_in_bytes)
 
@@ -49,6 +60,11 @@ class Plan:
         budget_bytes: the budget, or None.
         compiled: the ``jax.stages.Compiled`` that runs.
         order_enforced: whether a scheduler's op order is enforced with barriers.
+        static_argnums: positions of static arguments (not passed to ``compiled``).
+        guard: why this level was chosen.
+        microbatches: accumulation steps the batch is split into (1: none).
+        offload: residual groups moved to host memory after the forward pass.
+        offload_planned: whether offload was considered at all (it is not on CPU).
     """
 
     dims: dict[str, int]
@@ -64,6 +80,8 @@ class Plan:
     static_argnums: tuple[int, ...] = ()
     guard: str = ""
     microbatches: int = 1
+    offload: tuple[str, ...] = ()
+    offload_planned: bool = False
 
     def run(self, *args: Any) -> Any:
         """Runs the compiled executable on the full positional arguments."""
@@ -74,21 +92,28 @@ class Plan:
     def describe(self) -> str:
         """Human-readable: what is saved, recomputed, offloaded, and why."""
         dims = ", ".join(f"{k}={v}" for k, v in self.dims.items()) or "static shapes"
-        what = ("save every residual" if not self.recompute
-                else f"recompute {len(self.recompute)} residual group(s)")
+        parts = ([f"recompute {len(self.recompute)} residual group(s)"] if self.recompute
+                 else []) + ([f"offload {len(self.offload)}"] if self.offload else [])
+        what = ", ".join(parts) or "save every residual"
         budget = "no budget" if self.budget_bytes is None else f"budget {_mib(self.budget_bytes)}"
         lines = [f"jaxmem plan at {dims}: level {self.level} of {self.n_levels} ({what})",
                  f"  predicted peak {_mib(self.predicted_peak_bytes)}, XLA peak "
                  f"{_mib(self.peak_bytes)}, {budget}"]
         if self.guard:
             lines.append(f"  why: {self.guard}")
-        if not self.recompute:
+        if not self.recompute and not self.offload:
             lines.append("  recompute nothing")
         for g in self.recompute:
             lines.append(f"  recompute {g}")
         for g in self.saved:
             lines.append(f"  save      {g}")
-        lines.append("  offload   nothing (host offload is not planned on this backend)")
+        for g in self.offload:
+            lines.append(f"  offload   {g} (to host memory after the forward pass, back before "
+                         "its first backward use)")
+        if not self.offload:
+            lines.append("  offload   nothing" + ("" if self.offload_planned else
+                                                  " (host offload is not planned on this "
+                                                  "backend)"))
         if self.microbatches > 1:
             lines.append(f"  microbatch the batch into {self.microbatches} accumulation steps "
                          "(no recomputation level fits the budget)")
@@ -117,7 +142,7 @@ def compile_level(analysis: Analysis, k: int, dims: dict[str, int], static: tupl
     splits dim ``axis`` into that many accumulation steps in ``jaxmem.value_and_grad``.
     """
     level = analysis.plans.levels[k]
-    wanted = set(level.recompute)
+    wanted = set(level.recompute) | set(level.offload)
     order = analysis.orders[k] if apply_order else None
     enforced = False
     plain = (not wanted and microbatches == 1
@@ -149,7 +174,7 @@ def compile_level(analysis: Analysis, k: int, dims: dict[str, int], static: tupl
     return Plan(dict(dims), k, len(analysis.plans.levels), level.recompute,
                 tuple(g for g in all_groups if g not in wanted), predicted,
                 xla_peak_bytes(compiled), budget, compiled, enforced, jitted.static_argnums,
-                guard, microbatches)
+                guard, microbatches, level.offload, analysis.offload_planned)
 
 
 def _rewritten(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tuple[Any, ...],
@@ -167,9 +192,9 @@ def _rewritten(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tuple[
                                            return_shape=True)(
             *jax.tree_util.tree_unflatten(tree, avals))
     graph = build_graph(closed)
-    wanted = set(level.recompute)
-    chosen = [r for r in find_residuals(graph) if r.group in wanted]
-    rewritten = apply_remat(graph, chosen)
+    residuals = find_residuals(graph)
+    rewritten = apply_remat(graph, [r for r in residuals if r.group in set(level.recompute)],
+                            [r for r in residuals if r.group in set(level.offload)])
     enforced = False
     if order is not None and order != list(range(len(order))) and microbatches == 1:
         same = [n.primitive for n in rewritten.nodes] == [

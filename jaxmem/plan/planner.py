@@ -35,7 +35,8 @@ import sympy
 from jaxmem.fastexpr import compile_expr
 from jaxmem.graph import Graph
 from jaxmem.memory import MemoryModel, memory_model
-from jaxmem.plan.remat import apply_remat, recompute_chains
+from jaxmem.plan.offload import Costs, costs_for
+from jaxmem.plan.remat import apply_remat, offload_chains, recompute_chains
 from jaxmem.plan.residuals import Residual, find_residuals
 from jaxmem.symbolic import Cmp, ShapeDomain, compare, sym
 
@@ -50,6 +51,9 @@ class Level:
         graph: the rewritten graph.
         memory: its memory model; ``memory.peak_bytes`` is the guard's left side.
         recompute_flops: symbolic extra work.
+        offload: names of the residual groups moved to host memory (cumulative).
+        offloaded: the offloaded residuals.
+        offload_bytes: symbolic bytes each step moves to the host (and back).
     """
 
     recompute: tuple[str, ...]
@@ -57,6 +61,9 @@ class Level:
     graph: Graph = dataclasses.field(repr=False)
     memory: MemoryModel = dataclasses.field(repr=False)
     recompute_flops: sympy.Expr = sympy.Integer(0)
+    offload: tuple[str, ...] = ()
+    offloaded: tuple[Residual, ...] = ()
+    offload_bytes: sympy.Expr = sympy.Integer(0)
 
     @functools.cached_property
     def peak_fn(self) -> Callable[..., Any]:
@@ -122,31 +129,47 @@ def _corner(dom: ShapeDomain) -> dict[sympy.Symbol, int]:
 
 
 def _efficiency(graph: Graph, chosen: list[Residual], group: list[Residual],
-                corner: dict[sympy.Symbol, int], min_bytes: float = 0.0) -> float:
-    """Bytes freed per FLOP re-run if ``group`` joins ``chosen``, at the domain's corner.
+                corner: dict[sympy.Symbol, int], costs: Costs, min_bytes: float = 0.0,
+                offload: bool = False, moved: tuple[Residual, ...] = ()) -> tuple[float, str]:
+    """Bytes freed per second of extra work if ``group`` joins the plan, and how.
 
-    Chains are taken relative to what stays saved, so a group whose residuals
-    would have to be rebuilt from other recomputed ones costs what it really costs.
-    A group freeing less than ``min_bytes`` scores 0: it would spend a level on
-    noise and keep the levels that matter out of reach.
+    Evaluated at the domain's corner. Recomputation costs the FLOPs of its chains,
+    taken relative to what stays saved, so a group whose residuals would have to be
+    rebuilt from other recomputed ones costs what it really costs; offload (when
+    allowed) costs a round trip over the host link, and is chosen where it is the
+    cheaper of the two or the only one possible. A group freeing less than
+    ``min_bytes`` scores 0: it would spend a level on noise and keep the levels that
+    matter out of reach.
+
+    Returns:
+        ``(score, "recompute" | "offload")``.
     """
+    def size(rs: list[Residual]) -> float:
+        return float(sympy.Add(*[r.nbytes for r in rs]).subs(corner))
+
+    best = (0.0, "recompute")
     chains = [c for r, c in recompute_chains(graph, chosen + group) if r in group]
-    if not chains:
-        return 0.0
-    nodes = {i for c in chains for i in c}
-    flops = float(sympy.Add(*[graph.nodes[i].flops for i in nodes]).subs(corner)) + 1.0
-    freed = float(sympy.Add(*[r.nbytes for r in group]).subs(corner))
-    if freed < min_bytes:
-        return 0.0
-    return freed / flops
+    if chains and (freed := size(group)) >= min_bytes:
+        nodes = {i for c in chains for i in c}
+        flops = float(sympy.Add(*[graph.nodes[i].flops for i in nodes]).subs(corner)) + 1.0
+        best = (freed / costs.recompute_s(flops), "recompute")
+    if offload:
+        movable = [r for r, _ in offload_chains(graph, moved + tuple(group)) if r in group]
+        freed = size(movable)
+        if movable and freed >= min_bytes:
+            score = freed / costs.transfer_s(freed)
+            if score > best[0]:
+                best = (score, "offload")
+    return best
 
 
 _MIN_GROUP_FRACTION = 0.01  # of the unplanned peak at the domain's largest corner
 
 
 def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
-                donated: tuple[int, ...] = (), max_levels: int = 16) -> PlanSet:
-    """Derives the levels of recomputation for a differentiated graph.
+                donated: tuple[int, ...] = (), max_levels: int = 16, offload: bool = False,
+                costs: Costs | None = None) -> PlanSet:
+    """Derives the levels of recomputation (and offload) for a differentiated graph.
 
     Args:
         graph: the (symbolic) graph of a train step.
@@ -154,10 +177,13 @@ def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
         symbolic: False for the fallback-only ablation.
         donated: donated input indices (for the memory model's aliasing).
         max_levels: at most this many levels beyond "save everything".
+        offload: also consider moving residual groups to host memory.
+        costs: device rates that weigh FLOPs against transfers (default: GPU's).
 
     Returns:
         A :class:`PlanSet`.
     """
+    costs = costs or costs_for("gpu")
     tally: collections.Counter[str] = collections.Counter()
     residuals = find_residuals(graph)
     groups: dict[str, list[Residual]] = {}
@@ -166,40 +192,49 @@ def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
     base = memory_model(graph, dom, donated=donated, symbolic=symbolic)
     levels = [Level((), (), graph, base)]
     chosen: list[Residual] = []
+    moved: tuple[Residual, ...] = ()
     names: list[str] = []
+    moved_names: tuple[str, ...] = ()
     remaining = dict(groups)
     corner = _corner(dom)
     order: list[str] = []
     small: list[Residual] = []
     small_names: list[str] = []
     min_bytes = _MIN_GROUP_FRACTION * levels[0].peak_fn({str(k): v for k, v in corner.items()})
-    # Greedy: the group that frees most bytes per re-run FLOP, given what is
-    # already recomputed; kept only if it lowers the symbolic peak somewhere.
+    # Greedy: the group that frees most bytes per second of extra work, given what
+    # is already recomputed or offloaded; kept only if it lowers the symbolic peak
+    # somewhere.
     while remaining and len(levels) <= max_levels:
-        scores = {n: _efficiency(graph, chosen, list(rs), corner, min_bytes)
-                  for n, rs in remaining.items()}
+        scores = {n: _efficiency(graph, chosen, list(rs), corner, costs, min_bytes, offload,
+                                 moved) for n, rs in remaining.items()}
         for n in sorted(remaining):
-            if scores[n] <= 0.0 and _efficiency(graph, chosen, list(remaining[n]), corner) > 0:
+            if (scores[n][0] <= 0.0
+                    and _efficiency(graph, chosen, list(remaining[n]), corner, costs)[0] > 0):
                 small.extend(remaining.pop(n))  # too small for a level: rides along
                 small_names.append(n)
                 order.append(n)
         if not remaining:
             break
-        name = max(sorted(remaining), key=lambda n: scores[n])
+        name = max(sorted(remaining), key=lambda n: scores[n][0])
         group = remaining.pop(name)
         order.append(name)
-        if scores[name] <= 0.0:
+        score, how = scores[name]
+        if score <= 0.0:
             continue
-        trial = chosen + list(group) + small
-        g2 = apply_remat(graph, trial)
+        trial = chosen + small + (list(group) if how == "recompute" else [])
+        trial_moved = moved + (tuple(group) if how == "offload" else ())
+        g2 = apply_remat(graph, trial, trial_moved)
         m = memory_model(g2, dom, donated=donated, symbolic=symbolic)
         if not _lowers_somewhere(m.peak_bytes, levels[-1].memory.peak_bytes, dom, symbolic,
                                  tally):
-            continue  # never lowers the peak: recomputing it would only cost time
-        chosen, names = trial, names + [name] + small_names
+            continue  # never lowers the peak: it would only cost time
+        chosen, moved = trial, trial_moved
+        names = names + ([name] if how == "recompute" else []) + small_names
+        moved_names = moved_names + ((name,) if how == "offload" else ())
         small, small_names = [], []
         flops = sympy.Add(*[r.recompute_flops for r in chosen])
-        levels.append(Level(tuple(names), tuple(chosen), g2, m, flops))
+        levels.append(Level(tuple(names), tuple(chosen), g2, m, flops, moved_names, moved,
+                            sympy.Add(*[r.nbytes for r in moved])))
     order.extend(sorted(remaining))
     for k, v in base.comparisons:
         tally[k] += v

@@ -1,4 +1,4 @@
-"""Recomputation as a graph rewrite: drop residuals, recompute them where they are needed.
+"""Recomputation and offload as a graph rewrite: residuals leave, and return where needed.
 
 :func:`apply_remat` returns a new :class:`~jaxmem.graph.Graph` in which every
 backward read of a recomputed residual reads a clone, made just before its
@@ -24,7 +24,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+import sympy
+
 from jaxmem.graph import Graph, Node, Value
+from jaxmem.plan.offload import transfer_eqn
 from jaxmem.plan.residuals import Residual, find_residuals, recompute_chain
 
 
@@ -51,37 +54,72 @@ def recompute_chains(graph: Graph, recompute: Iterable[Residual]
     return out
 
 
-def apply_remat(graph: Graph, recompute: Iterable[Residual]) -> Graph:
-    """Rewrites ``graph`` so that the given residuals are recomputed, not kept.
+def offload_chains(graph: Graph, offload: Iterable[Residual]
+                   ) -> list[tuple[Residual, tuple[int, ...]]]:
+    """The residuals that can really be offloaded, each with the nodes that rebuild its aliases.
+
+    An offloaded residual comes back as it was; the fused or view values the
+    backward pass reads from it (its ``aliases``) are re-derived from the reloaded
+    copy by these (elementwise) nodes.
+    """
+    rs = list(offload)
+    if not rs:
+        return []
+    kept = {r.value for r in find_residuals(graph)} | set(graph.inputs) | {
+        v for v, _ in graph.consts}
+    out = []
+    for r in rs:
+        chains = [recompute_chain(graph, a, kept) for a in r.aliases]
+        if all(c is not None for c in chains):
+            out.append((r, tuple(sorted({i for c in chains for i in c}))))  # type: ignore[union-attr]
+    return out
+
+
+def apply_remat(graph: Graph, recompute: Iterable[Residual],
+                offload: Iterable[Residual] = ()) -> Graph:
+    """Rewrites ``graph`` so that the given residuals are recomputed or offloaded, not kept.
 
     Args:
         graph: a differentiated graph.
         recompute: residuals (from :func:`find_residuals` on this graph) to recompute.
+        offload: residuals to move to host memory after the forward pass makes them
+            and back before their first backward use (see :mod:`jaxmem.plan.offload`).
 
     Returns:
         The rewritten graph, nodes in execution order.
     """
     chains = recompute_chains(graph, recompute)
-    if not chains:
+    moved = offload_chains(graph, offload)
+    if not chains and not moved:
         return graph
+    off = {r.value: r for r, _ in moved}
     by_first: dict[int, list[tuple[Residual, tuple[int, ...]]]] = {}
-    for r, chain in chains:
+    for r, chain in chains + moved:
         by_first.setdefault(r.first_use, []).append((r, chain))
+    offloaded_after = {r.producer: r.value for r in off.values()}
     values: list[Value] = list(graph.values)
     nodes: list[Node] = []
-    rename: dict[int, int] = {}  # residual value -> its clone, once made
+    rename: dict[int, int] = {}  # residual value -> its clone or reloaded copy, once made
+    host: dict[int, int] = {}  # offloaded value -> its copy in host memory
     last_out: int | None = None  # latest value made before the current node
     producers = graph.producers
 
-    def new_value(like: int) -> int:
-        v = graph.values[like]
+    def new_value(like: int, on_host: bool = False) -> int:
+        v = values[like]
         vid = len(values)
-        values.append(dataclasses.replace(v, id=vid))
+        values.append(dataclasses.replace(v, id=vid, nbytes=sympy.Integer(0), host=True)
+                      if on_host else dataclasses.replace(v, id=vid))
         return vid
 
     def emit(node: Node, inputs: list[int], operands: list[int | None], outputs: list[int]) -> None:
         nodes.append(dataclasses.replace(node, index=len(nodes), inputs=tuple(inputs),
                                          operands=tuple(operands), outputs=tuple(outputs)))
+
+    def transfer(src: int, original: int, to_host: bool, scope: str) -> int:
+        out = new_value(original, on_host=to_host)
+        nodes.append(Node(len(nodes), "device_put", "opaque", (src,), (out,), scope,
+                          eqn=transfer_eqn(to_host), operands=(src,)))
+        return out
 
     for node in graph.nodes:
         block = by_first.get(node.index)
@@ -90,17 +128,25 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual]) -> Graph:
             made = {o for i in chain for o in graph.nodes[i].outputs}
             leaves = list(dict.fromkeys(v for i in chain for v in graph.nodes[i].inputs
                                         if v not in made))
-            # The barrier's extra operand pins the recomputation after the node
-            # that ran just before its first use: XLA cannot hoist it earlier.
+            # Offloaded values this block needs come back now, unless they already did.
+            reload = list(dict.fromkeys([r.value for r, _ in block if r.value in off]
+                                        + [v for v in leaves if v in off]))
+            reload = [v for v in reload if v not in rename]
+            leaves = [v for v in leaves if v not in reload]
+            # The barrier's extra operand pins the block after the node that ran just
+            # before its first use: XLA can hoist neither recomputation nor reload.
             trigger = next((v for v in node.inputs
                             if v in producers and graph.nodes[producers[v]].is_backward),
                            last_out)
-            barrier_in = leaves + ([trigger] if trigger is not None else [])
+            sources = [rename.get(v, v) for v in leaves] + [host[v] for v in reload]
+            barrier_in = sources + ([trigger] if trigger is not None else [])
             barrier_out = [new_value(v) for v in barrier_in]
             nodes.append(Node(len(nodes), "optimization_barrier", "view", tuple(barrier_in),
                               tuple(barrier_out), node.scope + "/remat",
                               operands=tuple(barrier_in)))
-            local = dict(zip(leaves, barrier_out, strict=False))
+            local = dict(zip(leaves + reload, barrier_out, strict=False))
+            for v in reload:
+                local[v] = rename[v] = transfer(local[v], v, False, node.scope + "/offload")
             for i in chain:
                 src = graph.nodes[i]
                 outs = [new_value(o) for o in src.outputs]
@@ -110,13 +156,17 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual]) -> Graph:
                 local.update(zip(src.outputs, outs, strict=True))
             for r, _ in block:
                 for v in (r.value, *r.aliases):
-                    rename[v] = local[v]
+                    if v in local:  # else: an offloaded value an earlier block reloaded
+                        rename[v] = local[v]
         if node.is_backward:
             ins = [rename.get(v, v) for v in node.inputs]
             ops = [None if o is None else rename.get(o, o) for o in node.operands]
             emit(node, ins, ops, list(node.outputs))
         else:
             emit(node, list(node.inputs), list(node.operands), list(node.outputs))
+        if node.index in offloaded_after:
+            v = offloaded_after[node.index]
+            host[v] = transfer(v, v, True, node.scope + "/offload")
         if node.outputs:
             last_out = node.outputs[0]
     return Graph(tuple(values), tuple(nodes), graph.inputs, graph.outputs, graph.consts)

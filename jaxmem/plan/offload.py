@@ -1,0 +1,79 @@
+"""Host offload: where it is planned, what it costs, and the transfers that realise it.
+
+A residual can leave device memory instead of being recomputed: right after the
+forward pass makes it, a copy goes to host memory (``jax.memory.Space.Host``,
+the ``pinned_host`` memory kind); just before its first backward use it comes
+back. Between the two it takes no device memory, like a recomputed residual,
+but instead of FLOPs it costs two transfers over the host link.
+
+Offload is planned where the backend keeps host arrays out of device memory
+(GPU, TPU). On CPU the host *is* the device: XLA compiles a ``pinned_host``
+array to the same bytes as a device one (DESIGN §4), so jaxmem does not plan it
+there unless asked (``jaxmem.jit(..., offload=True)``, which tests use to check
+the rewrite).
+
+Example:
+    >>> offload_supported("gpu"), offload_supported("cpu")
+    (True, False)
+    >>> costs_for("gpu").transfer_s(2 * 10**9) < costs_for("gpu").recompute_s(10**12)
+    False
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def offload_supported(backend: str) -> bool:
+    """Whether host offload lowers device memory on ``backend`` (a JAX platform name)."""
+    return backend in ("gpu", "cuda", "rocm", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Rough device rates that put recomputation and transfers on one scale (seconds).
+
+    Attributes:
+        flops_per_s: sustained arithmetic rate of the device.
+        host_bytes_per_s: one-way bandwidth between device and host memory.
+    """
+
+    flops_per_s: float
+    host_bytes_per_s: float
+
+    def recompute_s(self, flops: float) -> float:
+        """Time to re-run ``flops`` of forward work."""
+        return flops / self.flops_per_s
+
+    def transfer_s(self, nbytes: float) -> float:
+        """Time to move ``nbytes`` to the host and back."""
+        return 2.0 * nbytes / self.host_bytes_per_s
+
+
+# Order-of-magnitude figures: an H100/H200-class GPU at a sustained fraction of its
+# dense rate over PCIe Gen5; a TPU v5-class chip; two CPU cores. Only their ratio
+# matters, and only where a residual could go either way.
+_COSTS = {"gpu": Costs(4e14, 5e10), "tpu": Costs(2e14, 5e10), "cpu": Costs(1e11, 1e10)}
+
+
+def costs_for(backend: str) -> Costs:
+    """The :class:`Costs` of a JAX platform name (GPU figures for ``cuda``/``rocm``)."""
+    return _COSTS.get("gpu" if backend in ("cuda", "rocm") else backend, _COSTS["gpu"])
+
+
+@functools.cache
+def transfer_eqn(to_host: bool) -> Any:
+    """A ``device_put`` equation that moves its operand to host (or device) memory.
+
+    Its parameters do not depend on the operand's shape, so one template serves
+    every value when :mod:`jaxmem.rewrite` binds it.
+    """
+    space = jax.memory.Space.Host if to_host else jax.memory.Space.Device
+    closed = jax.make_jaxpr(lambda x: jax.device_put(x, space))(jnp.zeros((), jnp.float32))
+    (eqn,) = closed.jaxpr.eqns
+    return eqn
