@@ -19,15 +19,9 @@ def _counts(pairs: Any) -> dict[str, int]:
     return counts
 
 
-def plan_set_comparisons(step: jaxmem.Jitted) -> dict[str, int] | None:
-    """How the plan set's comparisons were decided (jaxmem keeps one analysis per structure).
-
-    Reads ``Jitted._analyses`` (no public accessor exists for the plan set yet).
-    """
-    analyses = list(getattr(step, "_analyses", {}).values())
-    if not analyses:
-        return None
-    return _counts(analyses[0].plans.comparisons)
+def plan_set_comparisons(step: jaxmem.Jitted, *args: Any) -> dict[str, int]:
+    """How the comparisons behind ``step``'s plan set for ``args`` were decided."""
+    return _counts(step.plans(*args).comparisons)
 
 
 def coverage(w: Workload, m: Methods, rows: Sequence[dict[str, Any]], max_b: int,
@@ -49,8 +43,10 @@ def coverage(w: Workload, m: Methods, rows: Sequence[dict[str, Any]], max_b: int
         reports[name] = jaxmem.analyze(w.train_step, w.state, specs, symbolic=symbolic)
         out[name] = {"comparisons": reports[name].comparisons,
                      "seconds": round(time.perf_counter() - t0, 2)}
-    out["plan_set"] = {"jaxmem": plan_set_comparisons(m.jaxmem),
-                       "jaxmem-fallback-only": plan_set_comparisons(m.fallback)}
+    args, ran = (w.state, w.batch(1, 1)), {r["method"] for r in rows}
+    out["plan_set"] = {name: plan_set_comparisons(step, *args) if name in ran else None
+                       for name, step in (("jaxmem", m.jaxmem),
+                                          ("jaxmem-fallback-only", m.fallback))}
     out["ablation_shapes"] = _ablation_shapes(rows)
     return out, reports.get("analyze")
 

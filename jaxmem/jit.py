@@ -34,6 +34,7 @@ import numpy as np
 from jaxmem._errors import BudgetInfeasibleError, JaxmemError, ShapeOutOfRangeError
 from jaxmem.dispatch import Analysis, analyze_specs, arg_shardings, bind_dims, local_dims
 from jaxmem.plan.plan import Plan, compile_level
+from jaxmem.plan.planner import PlanSet
 from jaxmem.schedulers import MemoryAware, Scheduler
 
 
@@ -76,6 +77,10 @@ def is_resource_exhausted(err: BaseException) -> bool:
     """True for XLA's out-of-memory error at run time (``RESOURCE_EXHAUSTED``)."""
     return isinstance(err, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(err)
 
+
+#: Once one level has been compiled, levels predicted above the budget times this factor
+#: are not compiled: jaxmem's predictions are within 15 % of XLA's on the programs measured.
+HOPELESS_FACTOR = 1.25
 
 #: On a run-time out-of-memory error jaxmem re-plans with the failed plan's XLA peak
 #: times this factor as the budget and retries the call once.
@@ -190,6 +195,15 @@ class Jitted:
                 self._plans[key] = plan
         return plan
 
+    def plans(self, *args: Any) -> PlanSet:
+        """The levels derived (once, symbolically) for arguments structured like ``args``.
+
+        ``args`` may be arrays or ``jax.ShapeDtypeStruct``; nothing is compiled.
+        ``plans(...).describe(budget_bytes)`` prints each level's guard.
+        """
+        static, dynamic = self._split(args)
+        return self._analysis(static, dynamic).plans
+
     def _analysis(self, static: tuple[Any, ...], dynamic: tuple[Any, ...]) -> Analysis:
         flat, tree = jax.tree_util.tree_flatten(dynamic)
         akey = (tree, static, tuple((len(getattr(x, "shape", ())), str(getattr(x, "dtype", "")))
@@ -208,12 +222,16 @@ class Jitted:
         budget = self.budget_bytes if budget is None else budget
         analysis = self._analysis(static, dynamic)
         dims = bind_dims(analysis, dynamic)
-        start = analysis.plans.choose(local_dims(analysis, dims, arg_shardings(dynamic)), budget)
+        local = local_dims(analysis, dims, arg_shardings(dynamic))
+        start = analysis.plans.choose(local, budget)
         tried: list[Plan] = []
 
         def attempt(k: int) -> Plan | None:
             if k in skip:
                 return None
+            if (tried and budget is not None and analysis.plans.levels[k].peak_fn(local)
+                    > budget * HOPELESS_FACTOR):
+                return None  # predicted far above the budget: not worth a compile
             plan = compile_level(analysis, k, dims, static, dynamic, self, budget)
             if plan.order_enforced and getattr(self.scheduler, "verify_with_xla", False):
                 # A heuristic order must beat XLA's own schedule on XLA's own figure.

@@ -265,3 +265,40 @@ def test_value_and_grad_is_jax_value_and_grad_without_microbatching(state):
     want = jax.value_and_grad(loss_fn)(state[0], x)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_plan_set_is_public_and_describes_each_guard(state, x, plain_peak):
+    f = jaxmem.jit(step, **SPECS)
+    spec = jax.ShapeDtypeStruct((7, D), jnp.float32)  # specs are enough: nothing compiles
+    plans = f.plans(state, spec)
+    assert plans is f.plans(state, x)  # derived once per argument structure
+    assert f.compiles == 0 and len(plans.levels) > 1
+    budget = plain_peak // 2
+    text = plans.describe(budget)
+    points = plans.domain.sample_points()
+    chosen = [plans.choose(p, budget) for p in points]
+    fits = [k for k, p in zip(chosen, points, strict=True)
+            if plans.levels[k].peak_fn(p) <= budget]
+    for k in range(len(plans.levels)):
+        assert f"  level {k}: " in text
+        assert f"chosen at {fits.count(k)} of {len(points)} sampled shapes" in text
+    assert f"fit at {len(points) - len(fits)} of {len(points)}" in text
+    assert repr(plans).startswith("PlanSet(symbols=('b',), levels=")
+
+
+def test_hopeless_levels_are_not_compiled(state, x):
+    """An impossible budget compiles only the level predicted lowest, then refuses."""
+    compiles: list[str] = []
+
+    def on_event(name: str, *_: object, **__: object) -> None:
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    f = jaxmem.jit(step, budget_bytes=1, **SPECS)
+    plans = f.plans(state, x)
+    with pytest.raises(jaxmem.BudgetInfeasibleError) as info:
+        f.plan_for(state, x)
+    lowest = min(range(len(plans.levels)), key=lambda k: plans.levels[k].peak_fn({"b": B}))
+    assert len(plans.levels) > 2 and len(compiles) == 1
+    assert f"(level {lowest}," in str(info.value)

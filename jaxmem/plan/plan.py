@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from jaxmem._units import human_bytes
 from jaxmem.dispatch import local_dims
 from jaxmem.grad import microbatching
 from jaxmem.graph import JaxmemWarning, build_graph
@@ -95,10 +96,11 @@ class Plan:
         parts = ([f"recompute {len(self.recompute)} residual group(s)"] if self.recompute
                  else []) + ([f"offload {len(self.offload)}"] if self.offload else [])
         what = ", ".join(parts) or "save every residual"
-        budget = "no budget" if self.budget_bytes is None else f"budget {_mib(self.budget_bytes)}"
+        budget = ("no budget" if self.budget_bytes is None
+                  else f"budget {human_bytes(self.budget_bytes)}")
         lines = [f"jaxmem plan at {dims}: level {self.level} of {self.n_levels} ({what})",
-                 f"  predicted peak {_mib(self.predicted_peak_bytes)}, XLA peak "
-                 f"{_mib(self.peak_bytes)}, {budget}"]
+                 f"  predicted peak {human_bytes(self.predicted_peak_bytes)}, XLA peak "
+                 f"{human_bytes(self.peak_bytes)}, {budget}"]
         if self.guard:
             lines.append(f"  why: {self.guard}")
         if not self.recompute and not self.offload:
@@ -120,10 +122,6 @@ class Plan:
         if self.order_enforced:
             lines.append("  op order  the scheduler's order, enforced with optimization barriers")
         return "\n".join(lines)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def _as_struct(x: Any) -> jax.ShapeDtypeStruct:
@@ -170,7 +168,7 @@ def compile_level(analysis: Analysis, k: int, dims: dict[str, int], static: tupl
                  "level 0 was tried first")
     else:
         guard = (f"cheaper levels are predicted or measured above the budget; this one "
-                 f"predicts {_mib(predicted)}")
+                 f"predicts {human_bytes(predicted)}")
     return Plan(dict(dims), k, len(analysis.plans.levels), level.recompute,
                 tuple(g for g in all_groups if g not in wanted), predicted,
                 xla_peak_bytes(compiled), budget, compiled, enforced, jitted.static_argnums,

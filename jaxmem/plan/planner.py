@@ -32,6 +32,7 @@ from typing import Any
 
 import sympy
 
+from jaxmem._units import human_bytes
 from jaxmem.fastexpr import compile_expr
 from jaxmem.graph import Graph
 from jaxmem.memory import MemoryModel, memory_model
@@ -90,14 +91,68 @@ class PlanSet:
     levels: tuple[Level, ...]
     comparisons: tuple[tuple[str, int], ...]
 
+    def __repr__(self) -> str:
+        return (f"PlanSet(symbols={self.domain.symbols}, levels={len(self.levels)}, "
+                f"groups={len(self.groups)}, comparisons={dict(self.comparisons)})")
+
+    def describe(self, budget_bytes: int | None = None) -> str:
+        """Each level: what it adds, its symbolic peak (the guard's left side) and its figure
+        at the domain's largest corner; with a budget, at which sampled shapes it is chosen.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, jaxmem
+            >>> f = jaxmem.jit(lambda x: jax.grad(lambda x: jnp.tanh(x).sum())(x),
+            ...                polymorphic_shapes=("b, 8",), constraints=("b <= 64",))
+            >>> print(f.plans(jnp.ones((4, 8))).describe().splitlines()[0])
+            1 level(s) over b in [1, 64]; the first whose guard peak(dims) <= budget runs
+        """
+        dom = self.domain
+        ranges = ", ".join(f"{n} in [{lo}, {'inf' if hi is None else hi}]"
+                           for n, lo, hi in zip(dom.symbols, dom.lower, dom.upper, strict=True))
+        corner = {str(k): v for k, v in _corner(dom).items()}
+        at = ", ".join(f"{k}={v}" for k, v in corner.items())
+        points = dom.sample_points()
+        chosen: list[int | None] = []
+        if budget_bytes is not None:
+            for p in points:
+                k = self.choose(p, budget_bytes)
+                chosen.append(k if self.levels[k].peak_fn(p) <= budget_bytes else None)
+        lines = [f"{len(self.levels)} level(s) over {ranges}; the first whose guard "
+                 "peak(dims) <= budget runs"]
+        seen_r: tuple[str, ...] = ()
+        seen_o: tuple[str, ...] = ()
+        for k, level in enumerate(self.levels):
+            added = ([f"recompute {g}" for g in level.recompute if g not in seen_r]
+                     + [f"offload {g}" for g in level.offload if g not in seen_o])
+            seen_r, seen_o = level.recompute, level.offload
+            shown = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3
+                                            else "")
+            what = "save every residual" if k == 0 else "+ " + shown
+            expr = str(level.memory.peak_bytes)
+            expr = expr if len(expr) <= 120 else expr[:117] + "..."
+            lines.append(f"  level {k}: {what}")
+            lines.append(f"    peak_bytes = {expr}")
+            lines.append(f"    at {at}: {human_bytes(level.peak_fn(corner))}")
+            if chosen:
+                lines.append(f"    chosen at {chosen.count(k)} of {len(points)} sampled shapes")
+        if chosen:
+            lines.append(f"  budget {human_bytes(budget_bytes or 0)}: no level is predicted to "
+                         f"fit at {chosen.count(None)} of {len(points)} sampled shapes")
+        counts = dict(self.comparisons)
+        lines.append(f"  comparisons: {counts.get('symbolic', 0)} symbolic, "
+                     f"{counts.get('fallback', 0)} by sampling")
+        return "\n".join(lines)
+
     def choose(self, dims: Mapping[str, int], budget_bytes: int | None) -> int:
-        """Index of the first level whose predicted peak fits (the last one if none)."""
+        """Index of the first level whose predicted peak fits (the lowest-peak one if none)."""
         if budget_bytes is None:
             return 0
+        peaks = []
         for k, level in enumerate(self.levels):
-            if level.peak_fn(dims) <= budget_bytes:
+            peaks.append(level.peak_fn(dims))
+            if peaks[-1] <= budget_bytes:
                 return k
-        return len(self.levels) - 1
+        return min(range(len(peaks)), key=peaks.__getitem__)
 
 
 _NON_POLYNOMIAL = (sympy.Piecewise, sympy.Min, sympy.floor, sympy.Mod)
