@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import jaxmem
@@ -186,3 +186,43 @@ def test_out_of_range_shapes_are_refused(variant: tuple) -> None:
     except jaxmem.ShapeOutOfRangeError:
         return
     raise AssertionError(f"b={MAX_B + 1} is outside b <= {MAX_B} but was accepted")
+
+
+@functools.cache
+def offloading(variant: tuple) -> jaxmem.Jitted:
+    step, *_ = FAMILIES[variant[0]](*variant[1:])
+    return jaxmem.jit(step, polymorphic_shapes=(None, compiled(variant)[0].polymorphic_shapes[1]),
+                      constraints=CONSTRAINTS, offload=True)
+
+
+@settings(max_examples=60, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(variant=VARIANTS, b=st.integers(1, MAX_B), s=st.integers(1, MAX_S),
+       seed=st.integers(0, 2**16))
+@example(variant=("attention", 8, 1, False), b=2, s=5, seed=0)  # one op, two offloaded outputs
+def test_every_level_with_offload_matches_jax_jit(variant: tuple, b: int, s: int,
+                                                  seed: int) -> None:
+    """Any level of a plan set that may offload as well as recompute computes the same.
+
+    Transfers are priced near free so that offload competes with recomputation even
+    in these tiny programs.
+    """
+    from unittest import mock
+
+    from jaxmem.plan.offload import Costs
+    from jaxmem.plan.plan import compile_level
+
+    _, plain, shapes, x_shape = compiled(variant)
+    planned = offloading(variant)
+    params = _params(shapes, seed)
+    x = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(x_shape(b, s), np.float32))
+    with mock.patch("jaxmem.dispatch.costs_for", lambda _: Costs(1e11, 1e16)):
+        analysis = planned._analysis((), (params, x))
+    levels = analysis.plans.levels
+    n_off = sum(bool(lv.offload) for lv in levels)
+    event(f"{variant[0]}: {len(levels)} levels, {n_off} offloading")
+    dims = {"b": b, "s": s} if "s" in analysis.domain.symbols else {"b": b}
+    want = plain(params, x)
+    for k in range(len(levels)):
+        plan = compile_level(analysis, k, dims, (), (params, x), planned)
+        assert_tree_close(plan.run(params, x), want)

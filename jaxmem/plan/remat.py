@@ -96,7 +96,9 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual],
     by_first: dict[int, list[tuple[Residual, tuple[int, ...]]]] = {}
     for r, chain in chains + moved:
         by_first.setdefault(r.first_use, []).append((r, chain))
-    offloaded_after = {r.producer: r.value for r in off.values()}
+    offloaded_after: dict[int, list[int]] = {}  # producer -> its offloaded outputs
+    for r in off.values():
+        offloaded_after.setdefault(r.producer, []).append(r.value)
     values: list[Value] = list(graph.values)
     nodes: list[Node] = []
     rename: dict[int, int] = {}  # residual value -> its clone or reloaded copy, once made
@@ -164,8 +166,7 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual],
             emit(node, ins, ops, list(node.outputs))
         else:
             emit(node, list(node.inputs), list(node.operands), list(node.outputs))
-        if node.index in offloaded_after:
-            v = offloaded_after[node.index]
+        for v in offloaded_after.get(node.index, ()):
             host[v] = transfer(v, v, True, node.scope + "/offload")
         if node.outputs:
             last_out = node.outputs[0]
