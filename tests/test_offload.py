@@ -147,3 +147,36 @@ def test_llama_step_with_offload_and_recompute_matches_jax_jit():
     got = jax.tree_util.tree_leaves(plan.run(w.state, batch))
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+
+
+def dropout_loss(w: jax.Array, x: jax.Array, key: jax.Array) -> jax.Array:
+    for k in jax.random.split(key, 4):  # residuals pile up over 4 layers
+        h = x @ w
+        keep = jax.random.bernoulli(k, 0.9, h.shape)
+        x = jnp.tanh(jnp.where(keep, h / 0.9, 0.0) @ w)
+    return (x**2).mean()
+
+
+def dropout_step(w: jax.Array, x: jax.Array, key: jax.Array) -> jax.Array:
+    return w - 0.1 * jax.grad(dropout_loss)(w, x, key)
+
+
+def test_residual_no_chain_rebuilds_can_still_be_offloaded():
+    """The dropout-masked activation cannot be recomputed (jaxmem never re-runs RNG ops);
+    offload is its only way out of device memory."""
+    w, key = jnp.eye(64) * 0.5, jax.random.key(0)
+    masked = [r for r in find_residuals(build_graph(jax.make_jaxpr(dropout_step)(
+        w, rows(32), key))) if r.primitive == "select_n"]
+    assert masked and masked[0].recompute_nodes == ()
+    f = jaxmem.jit(dropout_step, polymorphic_shapes=(None, "b, 64", None),
+                   constraints=("b <= 4096",), offload=True)
+    analysis = f._analysis((), (w, rows(256), key))
+    k = next(i for i, lv in enumerate(analysis.plans.levels) if "<top>:select_n" in lv.offload)
+    assert "<top>:select_n" not in analysis.plans.levels[k].recompute
+    plan = compile_level(analysis, k, {"b": 256}, (), (w, rows(256), key), f)
+    np.testing.assert_allclose(plan.run(w, rows(256), key),
+                               jax.jit(dropout_step)(w, rows(256), key), rtol=1e-5, atol=1e-6)
+    without = jaxmem.jit(dropout_step, polymorphic_shapes=(None, "b, 64", None),
+                         constraints=("b <= 4096",), offload=False)
+    assert not any("<top>:select_n" in lv.recompute
+                   for lv in without.plans(w, rows(256), key).levels)

@@ -54,7 +54,8 @@ class Residual:
         nbytes: symbolic size.
         first_use: index of the first backward node that reads it.
         recompute_nodes: forward node indices needed to recompute it from
-            values that stay live anyway (inputs and other residuals).
+            values that stay live anyway (inputs and other residuals); empty when
+            it cannot be recomputed (it can still be offloaded).
         recompute_flops: symbolic cost of that recomputation.
         aliases: fused or view forward values derived from it that the backward
             pass reads; recomputing the residual recomputes and renames them too.
@@ -139,13 +140,12 @@ def find_residuals(graph: Graph) -> tuple[Residual, ...]:
     kept = set(candidates) | inputs | {v for v, _ in graph.consts}
     out = []
     for v, first in sorted(candidates.items(), key=lambda kv: producers[kv[0]]):
-        chain = recompute_chain(graph, v, kept - {v})
-        if chain is None:
-            continue
         al = tuple(a for a in aliases.get(v, {}) if a != v)
-        chains = [recompute_chain(graph, a, kept - {v}) for a in al]
-        if any(c is None for c in chains):
-            continue
+        if any(recompute_chain(graph, a, kept) is None for a in al):
+            continue  # its aliases could not be re-derived even from the residual itself
+        # A residual no forward chain rebuilds (a random mask, a control-flow result)
+        # can still be offloaded: it is kept with no recompute nodes.
+        chain = recompute_chain(graph, v, kept - {v}) or ()
         flops = sympy.expand(sum((nodes[i].flops for i in chain), sympy.Integer(0)))
         p = producers[v]
         out.append(Residual(v, p, nodes[p].primitive, clean_scope(nodes[p].scope),
