@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxmem
+from jaxmem._units import human_bytes
 from jaxmem.plan.plan import compile_level
 
 
@@ -88,15 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     layers, d, b, repeats = (2, 64, 128, 2) if args.quick else (4, 1024, 16384, 5)
     res = run(layers, d, b, repeats)
-    mib = 2**20
     print(f"backend {res['backend']}, {layers} layers, d={d}, b={b}, {res['dtype']}")
-    print(f"{'level':>5}  {'predicted MiB':>13}  {'XLA MiB':>8}  {'host MiB':>8}  "
+    print(f"{'level':>5}  {'predicted':>10}  {'XLA peak':>10}  {'host temp':>10}  "
           f"{'time':>5}  {'diff':>8}  plan")
     for r in res["rows"]:
         what = ", ".join([f"recompute {g}" for g in r["recompute"]]
                          + [f"offload {g}" for g in r["offload"]]) or "save all"
-        print(f"{r['level']:>5}  {r['predicted_peak_bytes'] / mib:>13.1f}  "
-              f"{r['peak_bytes'] / mib:>8.1f}  {r['host_temp_bytes'] / mib:>8.1f}  "
+        print(f"{r['level']:>5}  {human_bytes(r['predicted_peak_bytes']):>10}  "
+              f"{human_bytes(r['peak_bytes']):>10}  {human_bytes(r['host_temp_bytes']):>10}  "
               f"{r['step_ratio']:>5.2f}  {r['max_abs_diff']:>8.1e}  {what}")
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)
