@@ -1,9 +1,11 @@
-"""Plans: which residual groups to recompute, chosen once per function by symbolic memory.
+"""Plans: which residual groups to recompute or offload, chosen once per function.
 
-Residual groups are ranked by what they give back per unit of recomputation
-(bytes over FLOPs, compared symbolically, by sampling where the order depends on
-the shape). Level ``k`` recomputes the first ``k`` useful groups. A group is
-useful when it lowers the symbolic peak somewhere in the domain; one that
+Residual groups are ranked by what they give back per second of extra work at
+the domain's largest corner: bytes freed over the time to re-run their FLOPs or,
+where offload is planned, to move them to host memory and back, whichever is
+cheaper (:mod:`jaxmem.plan.offload`). Level ``k`` adds the ``k``-th useful group.
+A group is useful when it lowers the symbolic peak somewhere in the domain
+(decided symbolically, by sampling where the peaks are piecewise); one that
 cannot (its bytes are never at the peak) is skipped, which is the BladeDISC++
 idea of deciding rematerialisation by symbolic memory impact. Each level's peak
 is a sympy expression; its guard is ``peak_k(dims) <= budget``: at a call the
