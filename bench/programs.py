@@ -74,8 +74,9 @@ def _train_state(params: Any, opt: optax.GradientTransformation) -> Any:
     return jax.eval_shape(lambda p: (p, opt.init(p)), params)
 
 
-def _make_step(loss_fn: Callable[..., jax.Array],
+def optax_step(loss_fn: Callable[..., jax.Array],
                opt: optax.GradientTransformation) -> Callable[..., Any]:
+    """The plain train step ``((params, opt_state), *batch) -> (new state, loss)``."""
     def step(state: Any, *batch: Any) -> Any:
         params, opt_state = state
         loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
@@ -114,7 +115,7 @@ def mlp_program(d_in: int = 512, hidden: int = 1024, layers: int = 3,
         return (jax.ShapeDtypeStruct((d["b"], d_in), jnp.float32),
                 jax.ShapeDtypeStruct((d["b"],), jnp.int32))
 
-    return Program(f"mlp{layers}x{hidden}", _make_step(loss_fn, opt),
+    return Program(f"mlp{layers}x{hidden}", optax_step(loss_fn, opt),
                    _train_state(params, opt), batch, ("b",), (f"b <= {max_b}",))
 
 
@@ -141,7 +142,7 @@ def reshape_program(width: int = 256, max_b: int = 64, max_s: int = 1024) -> Pro
     def batch(d: Dims) -> tuple[jax.ShapeDtypeStruct, ...]:
         return (jax.ShapeDtypeStruct((d["b"], 2 * d["s"]), jnp.float32),)
 
-    return Program("reshape", _make_step(loss_fn, opt), _train_state(params, opt), batch,
+    return Program("reshape", optax_step(loss_fn, opt), _train_state(params, opt), batch,
                    ("b", "s"), (f"b <= {max_b}", f"s <= {max_s}"))
 
 
@@ -209,7 +210,7 @@ def gpt_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
         return (jax.ShapeDtypeStruct((dd["b"], dd["s"]), jnp.int32),)
 
     name = f"gpt{layers}x{d}" + ("-mlp" if mlp_only else "")
-    return Program(name, _make_step(loss_fn, opt), _train_state(params, opt), batch,
+    return Program(name, optax_step(loss_fn, opt), _train_state(params, opt), batch,
                    ("b", "s"), (f"b <= {max_b}", f"s <= {max_s}"))
 
 
@@ -253,5 +254,5 @@ def llama_program(config: Any = "tiny", max_b: int = 16, max_s: int = 512,
         return (jax.ShapeDtypeStruct((dd["b"], dd["s"]), jnp.int32),)
 
     name = f"llama{cfg.n_layers}x{cfg.d_model}"
-    return Program(name, _make_step(loss_fn, opt), _train_state(params, opt), batch,
+    return Program(name, optax_step(loss_fn, opt), _train_state(params, opt), batch,
                    ("b", "s"), (f"b <= {max_b}", f"s <= {max_s}"))

@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 import jaxmem
+from bench.programs import optax_step
 from jaxmem.plan.plan import xla_peak_bytes
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -71,11 +72,7 @@ def block_loss(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     return jnp.mean(x ** 2)
 
 
-def train_step(state: tuple, x: jax.Array) -> tuple[tuple, jax.Array]:
-    params, opt_state = state
-    loss, grads = jax.value_and_grad(block_loss)(params, x)
-    updates, opt_state = OPT.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss
+train_step = optax_step(block_loss, OPT)
 
 
 @pytest.fixture(scope="module")

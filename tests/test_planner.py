@@ -18,6 +18,7 @@ import optax
 import pytest
 
 import jaxmem
+from bench.programs import optax_step
 from jaxmem.graph import build_graph
 from jaxmem.plan.plan import xla_peak_bytes
 from jaxmem.plan.planner import plan_levels
@@ -38,11 +39,7 @@ def loss_fn(params: list[dict[str, jax.Array]], x: jax.Array, act=jax.nn.silu) -
     return jnp.mean(h ** 2)
 
 
-def step(state: tuple, x: jax.Array) -> tuple[tuple, jax.Array]:
-    params, opt_state = state
-    loss, grads = jax.value_and_grad(loss_fn)(params, x)
-    updates, opt_state = OPT.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss
+step = optax_step(loss_fn, OPT)
 
 
 def make_state() -> tuple:

@@ -191,8 +191,9 @@ def _rewritten(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tuple[
             *jax.tree_util.tree_unflatten(tree, avals))
     graph = build_graph(closed)
     residuals = find_residuals(graph)
-    rewritten = apply_remat(graph, [r for r in residuals if r.group in set(level.recompute)],
-                            [r for r in residuals if r.group in set(level.offload)])
+    recompute, offload = set(level.recompute), set(level.offload)
+    rewritten = apply_remat(graph, [r for r in residuals if r.group in recompute],
+                            [r for r in residuals if r.group in offload], residuals)
     enforced = False
     if order is not None and order != list(range(len(order))) and microbatches == 1:
         same = [n.primitive for n in rewritten.nodes] == [

@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -56,7 +56,6 @@ class Level:
         recompute_flops: symbolic extra work.
         offload: names of the residual groups moved to host memory (cumulative).
         offloaded: the offloaded residuals.
-        offload_bytes: symbolic bytes each step moves to the host (and back).
     """
 
     recompute: tuple[str, ...]
@@ -66,7 +65,11 @@ class Level:
     recompute_flops: sympy.Expr = sympy.Integer(0)
     offload: tuple[str, ...] = ()
     offloaded: tuple[Residual, ...] = ()
-    offload_bytes: sympy.Expr = sympy.Integer(0)
+
+    @property
+    def offload_bytes(self) -> sympy.Expr:
+        """Symbolic bytes each step moves to the host (and back)."""
+        return sympy.Add(*[r.nbytes for r in self.offloaded])
 
     @functools.cached_property
     def peak_fn(self) -> Callable[..., Any]:
@@ -186,8 +189,9 @@ def _corner(dom: ShapeDomain) -> dict[sympy.Symbol, int]:
 
 
 def _efficiency(graph: Graph, chosen: list[Residual], group: list[Residual],
-                corner: dict[sympy.Symbol, int], costs: Costs, min_bytes: float = 0.0,
-                offload: bool = False, moved: tuple[Residual, ...] = ()) -> tuple[float, str]:
+                corner: dict[sympy.Symbol, int], costs: Costs, residuals: Sequence[Residual],
+                min_bytes: float = 0.0, offload: bool = False,
+                moved: tuple[Residual, ...] = ()) -> tuple[float, str]:
     """Bytes freed per second of extra work if ``group`` joins the plan, and how.
 
     Evaluated at the domain's corner. Recomputation costs the FLOPs of its chains,
@@ -205,13 +209,14 @@ def _efficiency(graph: Graph, chosen: list[Residual], group: list[Residual],
         return float(sympy.Add(*[r.nbytes for r in rs]).subs(corner))
 
     best = (0.0, "recompute")
-    chains = [c for r, c in recompute_chains(graph, chosen + group) if r in group]
+    chains = [c for r, c in recompute_chains(graph, chosen + group, residuals) if r in group]
     if chains and (freed := size(group)) >= min_bytes:
         nodes = {i for c in chains for i in c}
         flops = float(sympy.Add(*[graph.nodes[i].flops for i in nodes]).subs(corner)) + 1.0
         best = (freed / costs.recompute_s(flops), "recompute")
     if offload:
-        movable = [r for r, _ in offload_chains(graph, moved + tuple(group)) if r in group]
+        movable = [r for r, _ in offload_chains(graph, moved + tuple(group), residuals)
+                   if r in group]
         freed = size(movable)
         if movable and freed >= min_bytes:
             score = freed / costs.transfer_s(freed)
@@ -262,11 +267,12 @@ def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
     # is already recomputed or offloaded; kept only if it lowers the symbolic peak
     # somewhere.
     while remaining and len(levels) <= max_levels:
-        scores = {n: _efficiency(graph, chosen, list(rs), corner, costs, min_bytes, offload,
-                                 moved) for n, rs in remaining.items()}
+        scores = {n: _efficiency(graph, chosen, list(rs), corner, costs, residuals, min_bytes,
+                                 offload, moved) for n, rs in remaining.items()}
         for n in sorted(remaining):
             if (scores[n][0] <= 0.0
-                    and _efficiency(graph, chosen, list(remaining[n]), corner, costs)[0] > 0):
+                    and _efficiency(graph, chosen, list(remaining[n]), corner, costs,
+                                    residuals)[0] > 0):
                 small.extend(remaining.pop(n))  # too small for a level: rides along
                 small_names.append(n)
                 order.append(n)
@@ -280,7 +286,7 @@ def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
             continue
         trial = chosen + small + (list(group) if how == "recompute" else [])
         trial_moved = moved + (tuple(group) if how == "offload" else ())
-        g2 = apply_remat(graph, trial, trial_moved)
+        g2 = apply_remat(graph, trial, trial_moved, residuals)
         m = memory_model(g2, dom, donated=donated, symbolic=symbolic)
         if not _lowers_somewhere(m.peak_bytes, levels[-1].memory.peak_bytes, dom, symbolic,
                                  tally):
@@ -290,8 +296,7 @@ def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
         moved_names = moved_names + ((name,) if how == "offload" else ())
         small, small_names = [], []
         flops = sympy.Add(*[r.recompute_flops for r in chosen])
-        levels.append(Level(tuple(names), tuple(chosen), g2, m, flops, moved_names, moved,
-                            sympy.Add(*[r.nbytes for r in moved])))
+        levels.append(Level(tuple(names), tuple(chosen), g2, m, flops, moved_names, moved))
     order.extend(sorted(remaining))
     for k, v in base.comparisons:
         tally[k] += v

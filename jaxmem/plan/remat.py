@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import sympy
 
@@ -31,19 +31,26 @@ from jaxmem.plan.offload import transfer_eqn
 from jaxmem.plan.residuals import Residual, find_residuals, recompute_chain
 
 
-def recompute_chains(graph: Graph, recompute: Iterable[Residual]
+def _live_anyway(graph: Graph, residuals: Sequence[Residual] | None) -> set[int]:
+    """Values the backward pass keeps anyway: residuals, inputs and constants."""
+    rs = find_residuals(graph) if residuals is None else residuals
+    return {r.value for r in rs} | set(graph.inputs) | {v for v, _ in graph.consts}
+
+
+def recompute_chains(graph: Graph, recompute: Iterable[Residual],
+                     residuals: Sequence[Residual] | None = None
                      ) -> list[tuple[Residual, tuple[int, ...]]]:
     """The residuals that will really be recomputed, each with the forward nodes it re-runs.
 
     Chains start from values that stay live anyway (inputs, constants, residuals
     not being recomputed). A residual whose chain cannot be built, or is long
     (more than a few materialising ops: it would re-run whole layers), stays saved.
+    ``residuals`` is :func:`find_residuals` of ``graph``, when the caller has it.
     """
     chosen = {r.value: r for r in recompute}
     if not chosen:
         return []
-    kept = ({r.value for r in find_residuals(graph)} - set(chosen)) | set(graph.inputs) | {
-        v for v, _ in graph.consts}
+    kept = _live_anyway(graph, residuals) - set(chosen)
     out = []
     for r in chosen.values():
         chains = [recompute_chain(graph, v, kept) for v in (r.value, *r.aliases)]
@@ -54,7 +61,8 @@ def recompute_chains(graph: Graph, recompute: Iterable[Residual]
     return out
 
 
-def offload_chains(graph: Graph, offload: Iterable[Residual]
+def offload_chains(graph: Graph, offload: Iterable[Residual],
+                   residuals: Sequence[Residual] | None = None
                    ) -> list[tuple[Residual, tuple[int, ...]]]:
     """The residuals that can really be offloaded, each with the nodes that rebuild its aliases.
 
@@ -65,8 +73,7 @@ def offload_chains(graph: Graph, offload: Iterable[Residual]
     rs = list(offload)
     if not rs:
         return []
-    kept = {r.value for r in find_residuals(graph)} | set(graph.inputs) | {
-        v for v, _ in graph.consts}
+    kept = _live_anyway(graph, residuals)
     out = []
     for r in rs:
         chains = [recompute_chain(graph, a, kept) for a in r.aliases]
@@ -76,7 +83,8 @@ def offload_chains(graph: Graph, offload: Iterable[Residual]
 
 
 def apply_remat(graph: Graph, recompute: Iterable[Residual],
-                offload: Iterable[Residual] = ()) -> Graph:
+                offload: Iterable[Residual] = (),
+                residuals: Sequence[Residual] | None = None) -> Graph:
     """Rewrites ``graph`` so that the given residuals are recomputed or offloaded, not kept.
 
     Args:
@@ -84,12 +92,13 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual],
         recompute: residuals (from :func:`find_residuals` on this graph) to recompute.
         offload: residuals to move to host memory after the forward pass makes them
             and back before their first backward use (see :mod:`jaxmem.plan.offload`).
+        residuals: :func:`find_residuals` of ``graph``, when the caller has it.
 
     Returns:
         The rewritten graph, nodes in execution order.
     """
-    chains = recompute_chains(graph, recompute)
-    moved = offload_chains(graph, offload)
+    chains = recompute_chains(graph, recompute, residuals)
+    moved = offload_chains(graph, offload, residuals)
     if not chains and not moved:
         return graph
     off = {r.value: r for r, _ in moved}
