@@ -8,11 +8,12 @@ Also times ``jaxmem.analyze`` on a 4-layer Llama-sized train step.
 
 Usage::
 
-    python -m bench.accuracy [--quick] --out accuracy.json
+    python -m bench.accuracy [--quick] [--out accuracy.json] [--results-dir DIR]
 
 Prints a table (program, shape, xla_peak, predicted, error) and the median and
 worst absolute relative error per program and overall, and writes all of it as
-JSON: ``{"rows": [...], "summary": {...}, "analyze_timing": {...}}``.
+JSON to ``--out``: ``{"rows": [...], "summary": {...}, "analyze_timing": {...}}``;
+the printed table goes to ``<results dir>/<stem of --out>.txt`` (:mod:`bench.outputs`).
 
 Targets: median error <= 10 %, worst <= 25 % (tests assert these, see
 ``tests/programs.py``). Measured on CPU (jax 0.10.2, 2 cores), full grid:
@@ -33,6 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jaxmem
+from bench.outputs import TextTable, add_output_arguments
 from bench.programs import Program, gpt_program, llama_program, mlp_program, xla_peak
 
 MIB = 2**20
@@ -120,13 +122,10 @@ def time_analyze(repeats: int = 3) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three shapes per program")
-    parser.add_argument("--out", default="accuracy.json", help="JSON file to write")
+    add_output_arguments(parser, "accuracy.json")
     parser.add_argument("--programs", default=",".join(SUITE), help="comma-separated subset")
     args = parser.parse_args(argv)
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-
+    log = TextTable()
     log(f"{'program':<14} {'shape':<14} {'xla MiB':>10} {'pred MiB':>10} {'error':>9}")
     rows: list[dict[str, Any]] = []
     for name in args.programs.split(","):
@@ -139,8 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     timing = time_analyze()
     log(f"analyze on {timing['program']} ({timing['nodes']} ops): {timing['analyze_s']:.2f} s; "
         f"peak_bytes_at {timing['peak_bytes_at_us']:.1f} us")
-    with open(args.out, "w") as f:
-        json.dump({"rows": rows, "summary": summary, "analyze_timing": timing}, f, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"rows": rows, "summary": summary, "analyze_timing": timing}, f, indent=1)
+    log.save(args, "accuracy.txt")
     return 0
 
 

@@ -3,7 +3,7 @@
 Usage::
 
     python -m bench.compare [--quick] [--model tiny|small|1b] [--budget 512MiB] \
-        --out results.json
+        --out results.json [--results-dir DIR]
 
 Workload: the project's Llama train step (:mod:`bench.workload`). Shapes: a grid
 of ``(b, s)`` whose lengths are quantiles of the per-batch longest length that the
@@ -11,9 +11,10 @@ training loop's length-grouped batcher produces on the built-in data. Budget:
 ``--budget``, else ``--budget-fraction`` of plain XLA's peak at the largest shape
 (printed). Every method is measured at every shape (:mod:`bench.methods`); then the
 epoch figure (:mod:`bench.epoch`), symbolic-vs-fallback coverage, the must-show
-checks, a Markdown table and figures under ``--results-dir``.
+checks, a Markdown table (``compare.md``) and figures under ``--results-dir``
+(default: the directory of ``--out``; :mod:`bench.outputs`).
 
-Writes DESIGN §2's JSON: ``{"budget_bytes", "rows", "epoch", ...}``.
+Writes docs/design.md §2's JSON to ``--out``: ``{"budget_bytes", "rows", "epoch", ...}``.
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ from bench.checks import coverage, must_show
 from bench.epoch import EPOCH_METHODS, epoch_batches, epoch_figure
 from bench.figures import markdown, plot_peaks, plot_predicted
 from bench.methods import METHODS, Methods, measure
+from bench.outputs import add_output_arguments, results_dir
 from bench.timeline import timeline_figure
 from bench.workload import Workload, build_workload
 from train.config import parse_bytes
 
 MIB = 2**20
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def shape_grid(lengths: np.ndarray, batch_sizes: Sequence[int], quantiles: Sequence[float],
@@ -115,10 +116,11 @@ def run_comparison(workload: Workload, grid: Sequence[tuple[int, int]], *,
                    budget_bytes: int | None = None, budget_fraction: float = 0.95,
                    methods: Sequence[str] = METHODS, repeats: int = 3,
                    epoch_batches_n: int | None = 8, epoch_b: int | None = None,
-                   results_dir: Path | None = RESULTS, timeline: bool = True,
+                   results_dir: Path | None = None, timeline: bool = True,
                    analyze_coverage: bool = True, fresh_epoch: bool = True,
                    log: Any = print, save: Any = None) -> dict[str, Any]:
-    """The whole comparison as a JSON-ready dict (figures written to ``results_dir``).
+    """The whole comparison as a JSON-ready dict (figures and ``compare.md`` written to
+    ``results_dir``; None: no files written).
 
     ``fresh_epoch=False`` lets the epoch reuse the grid's executables (tests only: its
     compile seconds then undercount). ``save(result)`` is called after each stage with
@@ -132,9 +134,7 @@ def run_comparison(workload: Workload, grid: Sequence[tuple[int, int]], *,
     if budget_bytes is None:
         budget_bytes = choose_budget(budget_methods, *grid[-1], budget_fraction, log)
     m = Methods(workload, budget_bytes, max_b, max_s)
-    m._compiled.update(budget_methods._compiled)  # plain executables do not depend on it
-    m.first_compile_s = budget_methods.first_compile_s
-    m._batches.update(budget_methods._batches)
+    m.share_compiled(budget_methods)  # plain executables do not depend on the budget
     log(f"grid: {list(grid)}; methods: {list(methods)}; repeats {repeats}")
     result: dict[str, Any] = {"budget_bytes": budget_bytes, "rows": [], "epoch": {},
                               "workload": workload.name,
@@ -230,13 +230,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--epoch-batches", type=int, default=None, help="0: no epoch; -1: full pass")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--results-dir", default=str(RESULTS))
     p.add_argument("--no-timeline", action="store_true")
     p.add_argument("--no-analyze", action="store_true",
                    help="skip the jaxmem.analyze coverage counts (plan-set counts are kept)")
     p.add_argument("--layers", type=int, default=None, help="override the preset's n_layers")
-    p.add_argument("--out", required=True)
+    add_output_arguments(p, "results.json", required=True)
     a = p.parse_args(argv)
+    side = results_dir(a)
     warnings.filterwarnings("ignore", message=".*unknown primitive.*")
     t0 = time.perf_counter()
     quick = a.quick
@@ -257,9 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         budget_fraction=a.budget_fraction, methods=a.methods,
         repeats=a.repeats or (2 if quick else 5),
         epoch_batches_n=None if epoch_n < 0 else epoch_n,
-        results_dir=Path(a.results_dir), timeline=not a.no_timeline,
+        results_dir=side, timeline=not a.no_timeline,
         analyze_coverage=not a.no_analyze, log=lambda *x: print(*x, flush=True),
-        save=lambda r: _save(a.out, r, quick, partial=True, md=Path(a.results_dir)))
+        save=lambda r: _save(a.out, r, quick, partial=True, md=side))
     _save(a.out, result, quick)
     print(Path(result["figures"]["markdown"]).read_text() if "figures" in result else "")
     print(f"wrote {a.out} [{time.perf_counter() - t0:.1f}s total]")

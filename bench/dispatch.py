@@ -9,10 +9,12 @@ the drift of a shared machine.
 
 Usage::
 
-    python -m bench.dispatch [--quick] --out dispatch.json
+    python -m bench.dispatch [--quick] [--out dispatch.json] [--results-dir DIR]
 
 Cases: a two-argument elementwise function, and a train-step-shaped call (a
 parameter pytree of 64 leaves plus a ``(b, s)`` token batch). Target: ratio <= 1.2.
+The JSON goes to ``--out``, the printed table to ``<results dir>/<stem of --out>.txt``
+(:mod:`bench.outputs`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxmem
+from bench.outputs import TextTable, add_output_arguments
 
 
 def _elementwise() -> tuple[Callable[..., Any], tuple[Any, ...], tuple[Any, ...]]:
@@ -81,19 +84,22 @@ def measure(case: str, rounds: int, calls: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (CI)")
-    parser.add_argument("--out", default="dispatch.json", help="JSON results path")
+    add_output_arguments(parser, "dispatch.json")
     args = parser.parse_args(argv)
     rounds, calls = (5, 500) if args.quick else (41, 5000)
     rows = []
-    print(f"{'case':<20}{'leaves':>7}{'jax.jit us':>12}{'jaxmem us':>11}{'ratio':>8}")
+    log = TextTable()
+    log(f"{'case':<20}{'leaves':>7}{'jax.jit us':>12}{'jaxmem us':>11}{'ratio':>8}")
     for case in CASES:
         row = measure(case, rounds, calls)
         rows.append(row)
-        print(f"{case:<20}{row['leaves']:>7}{row['jax_jit_us']:>12.2f}{row['jaxmem_us']:>11.2f}"
-              f"{row['ratio']:>8.3f}", flush=True)
-    with open(args.out, "w") as f:
-        json.dump({"rows": rows, "target_ratio": 1.2, "jax": jax.__version__,
-                   "backend": jax.default_backend()}, f, indent=2)
+        log(f"{case:<20}{row['leaves']:>7}{row['jax_jit_us']:>12.2f}{row['jaxmem_us']:>11.2f}"
+            f"{row['ratio']:>8.3f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"rows": rows, "target_ratio": 1.2, "jax": jax.__version__,
+                       "backend": jax.default_backend()}, f, indent=2)
+    log.save(args, "dispatch.txt")
     return 0
 
 

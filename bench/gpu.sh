@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The 1b bf16 comparison and epoch figure on one NVIDIA H200 (Python 3.12, jax 0.11.2 CUDA
 # preinstalled, no package registry). Run from anywhere: `bash bench/gpu.sh`.
-# Budget: under 8 minutes in all. Writes bench/results/gpu_offload.json (bench.offload:
-# offload levels by XLA's figures), bench/results/gpu_1b.json (rewritten after every
-# shape, with "partial": true until the run completes), gpu_1b.log, and the Markdown table
-# and figures under bench/results/gpu/.
+# Budget: under 8 minutes in all. Writes bench/results/gpu_offload.json and its table
+# gpu_offload.txt (bench.offload: offload levels by XLA's figures), bench/results/gpu_1b.json
+# (rewritten after every shape, with "partial": true until the run completes), gpu_1b.log,
+# and the Markdown table and figures under bench/results/gpu/ (--results-dir).
 #
 # Scope, chosen to fit 8 minutes: the 1b preset's widths (d_model 2048, 32 heads, 4 KV heads,
 # d_ff 5632, vocab 32000, bf16 compute) with 2 of its 22 layers (jaxmem's symbolic analysis

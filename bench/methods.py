@@ -2,7 +2,7 @@
 
 Every method turns a requested shape ``(b, s)`` into a :class:`Prepared`: the
 shape it actually runs (padding methods run a longer one), the executable's peak
-bytes by XLA's own accounting (DESIGN §2: ``argument + output - alias + temp``),
+bytes by XLA's own accounting (docs/design.md §2: ``argument + output - alias + temp``),
 jaxmem's prediction where there is one, and a zero-argument callable that runs
 one step. Executables are cached per run shape, so a shape compiles once.
 
@@ -23,7 +23,7 @@ import jax
 import jaxmem
 from bench.workload import REMAT_POLICIES, Workload
 from jaxmem import xla_peak_bytes
-from jaxmem.rewrite import compiler_options
+from jaxmem.lower import compiler_options
 
 METHODS = ("xla", "xla+full_remat", "xla+dots", "jaxmem", "jaxmem-static",
            "jaxmem-fallback-only", "pad-max", "buckets")
@@ -124,10 +124,17 @@ class Methods:
     def share_analysis(self, other: Methods) -> None:
         """Reuse ``other``'s symbolic jaxmem analysis (and its recorded cost), not its plans
         nor executables; plain compiles are charged ``other``'s first-compile seconds."""
-        self.jaxmem._analyses.update(other.jaxmem._analyses)
+        self.jaxmem = other.jaxmem.with_budget(self.budget_bytes)
         self.first_compile_s = other.first_compile_s
         if id(other.jaxmem) in other.analysis_s:
             self.analysis_s[id(self.jaxmem)] = other.analysis_s[id(other.jaxmem)]
+
+    def share_compiled(self, other: Methods) -> None:
+        """Reuse ``other``'s plain executables, their first-compile seconds and batches
+        (none of which depends on the budget)."""
+        self._compiled.update(other._compiled)
+        self.first_compile_s = other.first_compile_s
+        self._batches.update(other._batches)
 
     def make_jaxmem(self, symbolic: bool = True, polymorphic: bool = True) -> jaxmem.Jitted:
         """``jaxmem.jit`` of the unmodified step; symbolic over ``b, s`` unless static."""
@@ -152,7 +159,7 @@ class Methods:
                 c = jax.jit(self.w.train_step).lower(self.w.state, self.batch(b, s)).compile()
             else:
                 step = self.w.remat_step(REMAT_POLICIES[kind])
-                # On CPU, XLA's cse_barrier_expander would undo the remat (DESIGN §4).
+                # On CPU, XLA's cse_barrier_expander would undo the remat (docs/design.md §4).
                 c = jax.jit(step).lower(self.w.state, self.batch(b, s)).compile(
                     compiler_options=compiler_options())
             # JAX caches executables in-process: a shape another Methods compiled first is a
@@ -192,9 +199,9 @@ class Methods:
     def _prepare_jaxmem(self, method: str, step: jaxmem.Jitted, b: int, s: int) -> Prepared:
         state, batch = self.w.state, self.batch(b, s)
         t0 = time.perf_counter()
-        if not getattr(step, "_analyses", True):
-            # Time the one-time trace + planning apart from per-shape compiles (private API).
-            step._analysis((), (state, batch))
+        if step.cache_info().analyses == 0:
+            # Time the one-time trace + planning apart from per-shape compiles.
+            step.analysis(state, batch)
             self.analysis_s[id(step)] = time.perf_counter() - t0
         try:
             plan = step.plan_for(state, batch)
@@ -210,7 +217,7 @@ class Methods:
 def measure(methods: Methods, method: str, b: int, s: int, repeats: int,
             xla_step_s: float | None, xla_call: Callable[[], Any] | None = None
             ) -> tuple[dict[str, Any], Prepared]:
-    """One result row (DESIGN §2 keys plus extras) for ``method`` at ``(b, s)``.
+    """One result row (docs/design.md §2 keys plus extras) for ``method`` at ``(b, s)``.
 
     With ``xla_call`` (plain XLA at the same shape), the method and XLA are timed
     alternately and ``step_ratio`` is the median of the paired ratios.

@@ -9,10 +9,13 @@ the largest difference of its outputs from ``jax.jit``'s.
 
 Usage::
 
-    python -m bench.offload [--quick] --out offload.json
+    python -m bench.offload [--quick] [--out offload.json] [--results-dir DIR]
 
-On CPU the figures show the gap DESIGN §4 describes (a ``pinned_host`` array is
-compiled into the same memory there; JAX's CPU lowering drops the transfers), so
+The JSON goes to ``--out``, the printed table to ``<results dir>/<stem of --out>.txt``
+(:mod:`bench.outputs`).
+
+On CPU the figures show the gap docs/design.md §4 describes (a ``pinned_host`` array
+is compiled into the same memory there; JAX's CPU lowering drops the transfers), so
 offload levels do not lower XLA's peak. On a GPU (``bench/gpu.sh``) they should,
 and the JSON says by how much.
 """
@@ -30,8 +33,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxmem
-from jaxmem._units import human_bytes
-from jaxmem.plan.plan import compile_level
+from bench.outputs import TextTable, add_output_arguments
+from jaxmem.units import human_bytes
 
 
 def _step(ws: list[jax.Array], x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
@@ -61,11 +64,11 @@ def run(layers: int, d: int, b: int, repeats: int) -> dict[str, Any]:
     x = jnp.linspace(-1, 1, b * d).reshape(b, d).astype(dtype)
     step = jaxmem.jit(_step, polymorphic_shapes=(None, f"b, {d}"),
                       constraints=(f"b <= {4 * b}",), offload=True)
-    analysis = step._analysis((), (ws, x))
+    analysis = step.analysis(ws, x)
     want = jax.tree_util.tree_leaves(jax.jit(_step)(ws, x))
     rows, base_s = [], None
     for k, level in enumerate(analysis.plans.levels):
-        plan = compile_level(analysis, k, {"b": b}, (), (ws, x), step)
+        plan = step.compile_level(k, ws, x)
         got = jax.tree_util.tree_leaves(plan.run(ws, x))
         diff = max(float(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)).max())
                    for g, w in zip(got, want, strict=True))
@@ -85,21 +88,24 @@ def run(layers: int, d: int, b: int, repeats: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small shape (CI)")
-    parser.add_argument("--out", default="offload.json", help="JSON results path")
+    add_output_arguments(parser, "offload.json")
     args = parser.parse_args(argv)
     layers, d, b, repeats = (2, 64, 128, 2) if args.quick else (4, 1024, 16384, 5)
     res = run(layers, d, b, repeats)
-    print(f"backend {res['backend']}, {layers} layers, d={d}, b={b}, {res['dtype']}")
-    print(f"{'level':>5}  {'predicted':>10}  {'XLA peak':>10}  {'host temp':>10}  "
-          f"{'time':>5}  {'diff':>8}  plan")
+    log = TextTable()
+    log(f"backend {res['backend']}, {layers} layers, d={d}, b={b}, {res['dtype']}")
+    log(f"{'level':>5}  {'predicted':>10}  {'XLA peak':>10}  {'host temp':>10}  "
+        f"{'time':>5}  {'diff':>8}  plan")
     for r in res["rows"]:
         what = ", ".join([f"recompute {g}" for g in r["recompute"]]
                          + [f"offload {g}" for g in r["offload"]]) or "save all"
-        print(f"{r['level']:>5}  {human_bytes(r['predicted_peak_bytes']):>10}  "
-              f"{human_bytes(r['peak_bytes']):>10}  {human_bytes(r['host_temp_bytes']):>10}  "
-              f"{r['step_ratio']:>5.2f}  {r['max_abs_diff']:>8.1e}  {what}")
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=2)
+        log(f"{r['level']:>5}  {human_bytes(r['predicted_peak_bytes']):>10}  "
+            f"{human_bytes(r['peak_bytes']):>10}  {human_bytes(r['host_temp_bytes']):>10}  "
+            f"{r['step_ratio']:>5.2f}  {r['max_abs_diff']:>8.1e}  {what}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2)
+    log.save(args, "offload.txt")
     return 0
 
 

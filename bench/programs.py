@@ -62,7 +62,7 @@ class Program:
 def xla_peak(program: Program, dims: Dims, compiler_options: dict | None = None) -> int:
     """XLA's peak for ``program`` at ``dims``: ``argument + output - alias + temp``.
 
-    This is the contract's definition of peak bytes (DESIGN.md section 2), read
+    This is the contract's definition of peak bytes (docs/design.md section 2), read
     from the compiled executable's ``memory_analysis()``.
     """
     lowered = jax.jit(program.step).lower(*program.concrete_args(dims))

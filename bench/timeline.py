@@ -3,7 +3,7 @@
 XLA's side comes from ``hlo_passes.buffer_timeline`` on the plain ``jax.jit``
 executable; jaxmem's from ``jaxmem.analyze(...).timeline_at(b=..., s=...)`` (temp
 bytes per program point) plus its resident argument and output bytes, so both
-curves are in DESIGN §2 terms. Returns None where ``hlo_passes`` is missing.
+curves are in docs/design.md §2 terms. Returns None where ``hlo_passes`` is missing.
 """
 
 from __future__ import annotations

@@ -1,23 +1,30 @@
-"""jaxmem: symbolic-shape memory planning for JAX training steps."""
+"""jaxmem: symbolic-shape memory planning for JAX training steps.
+
+The flow, one stage per module, each importing only earlier ones:
+``trace`` → ``graph`` → ``symbolic`` → ``memory`` → ``plan`` → ``rewrite`` →
+``lower`` → ``dispatch`` (see ``docs/design.md``).
+"""
 
 from jaxmem import schedulers
-from jaxmem._errors import (
+from jaxmem.analyze import Report, analyze
+from jaxmem.dispatch.jit import CacheInfo, Jitted, jit
+from jaxmem.dispatch.plan import Plan
+from jaxmem.errors import (
     BudgetInfeasibleError,
     JaxmemError,
     ScheduleError,
     ShapeOutOfRangeError,
     SymbolicError,
 )
-from jaxmem.analyze import Report, analyze
 from jaxmem.grad import value_and_grad
 from jaxmem.graph import JaxmemWarning
-from jaxmem.jit import Jitted, jit
-from jaxmem.plan.plan import Plan, xla_peak_bytes
+from jaxmem.lower import xla_peak_bytes
 from jaxmem.regions import region
 from jaxmem.schedulers import Scheduler
 
 __all__ = [
     "BudgetInfeasibleError",
+    "CacheInfo",
     "JaxmemError",
     "JaxmemWarning",
     "Jitted",

@@ -21,7 +21,7 @@ from typing import Any
 
 import sympy
 
-from jaxmem._errors import ShapeOutOfRangeError
+from jaxmem.errors import ShapeOutOfRangeError
 from jaxmem.fastexpr import compile_expr
 from jaxmem.graph import Graph, build_graph
 from jaxmem.memory import MemoryModel, memory_model
@@ -115,7 +115,7 @@ class Report:
 def _domain_text(dom: ShapeDomain) -> str:
     parts = [f"{lo} <= {n}" + (f" <= {hi}" if hi is not None else "")
              for n, lo, hi in zip(dom.symbols, dom.lower, dom.upper, strict=True)]
-    return ", ".join(parts + list(dom._general_texts()))
+    return ", ".join(parts + [c.text for c in dom.constraints])
 
 
 def analyze(fn: Callable[..., Any], *specs: Any, symbolic: bool = True) -> Report:

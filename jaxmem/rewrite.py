@@ -1,85 +1,101 @@
-"""Executing a (rewritten) graph with JAX, and compiling it so that XLA keeps the plan.
+"""A level applied to the concrete trace of a call: recomputation, offload and op order.
 
-:func:`as_function` turns a :class:`~jaxmem.graph.Graph` whose nodes carry
-their JAX equations back into a Python function over flat arrays, binding each
-primitive in the graph's node order. Barrier nodes made by the planner become
-``lax.optimization_barrier``. With ``enforce_order``, every materialising node
-also waits, through a barrier, for the one before it, so XLA's scheduler keeps
-the order the plan chose.
-
-On CPU, XLA's ``cse_barrier_expander`` pass removes optimization barriers before
-CSE, which would merge a recomputation back into the forward pass; jaxmem
-compiles its executables with that pass disabled (``COMPILER_OPTIONS``), per
-executable, never as a global flag.
+The plan set is derived once on the symbolic trace; a call at concrete dims
+traces the function again at those shapes (so XLA compiles exact shapes), finds
+the same residual groups by name, rewrites the graph with the level's
+recomputation and offload (:func:`jaxmem.plan.remat.apply_remat`, the transform
+the planner scored), and, where the scheduler gave one, renumbers the nodes into
+its op order. Under ``microbatches > 1`` the trace runs inside
+:func:`jaxmem.grad.microbatching`, which splits ``jaxmem.value_and_grad``'s batch.
 
 Example:
     >>> import jax, jax.numpy as jnp
-    >>> from jaxmem.graph import build_graph
-    >>> g = build_graph(jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(jnp.ones(3)))
-    >>> as_function(g)(jnp.zeros(3))
-    [Array([0., 0., 0.], dtype=float32)]
+    >>> from jaxmem.plan.analysis import analyze_specs
+    >>> step = lambda w, x: jax.grad(lambda w: jnp.tanh(x @ w).sum())(w)
+    >>> a = analyze_specs(step, (), (jnp.ones((8, 8)), jnp.ones((4, 8))), (), (None, "b, 8"),
+    ...                   ("b <= 64",), None, (), True)
+    >>> r = rewrite_level(a, 0, {"b": 4}, (jnp.ones((8, 8)), jnp.ones((4, 8))))
+    >>> r.order_enforced, len(r.graph.inputs)
+    (False, 2)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+import warnings
 from typing import Any
 
 import jax
-from jax import lax
 
-from jaxmem.graph import Graph
-
-COMPILER_OPTIONS: dict[str, dict[str, str]] = {
-    "cpu": {"xla_disable_hlo_passes": "cse_barrier_expander"},
-}
-
-
-def compiler_options(backend: str | None = None) -> dict[str, str]:
-    """Per-executable XLA options jaxmem needs on ``backend`` (default: JAX's default)."""
-    return dict(COMPILER_OPTIONS.get(backend or jax.default_backend(), {}))
+from jaxmem.grad import microbatching
+from jaxmem.graph import Graph, JaxmemWarning, build_graph
+from jaxmem.plan.analysis import Analysis, as_struct
+from jaxmem.plan.remat import apply_remat
+from jaxmem.plan.residuals import find_residuals
+from jaxmem.schedulers import reorder
 
 
-_SYNC_KINDS = ("opaque", "reduce", "control", "inplace")
+@dataclasses.dataclass(frozen=True)
+class Rewritten:
+    """The graph one level runs at one shape.
+
+    Attributes:
+        graph: the rewritten concrete graph (flat inputs and outputs).
+        out_tree: the pytree structure of the function's outputs.
+        order_enforced: whether the scheduler's op order was applied (barriers pin it).
+    """
+
+    graph: Graph
+    out_tree: Any
+    order_enforced: bool
 
 
-def as_function(graph: Graph, enforce_order: bool = False) -> Callable[..., list[Any]]:
-    """A function of the graph's flat inputs that returns its flat outputs.
+def needs_rewrite(analysis: Analysis, k: int, apply_order: bool = True,
+                  microbatches: int = 1) -> bool:
+    """False when level ``k`` is the user's own function (nothing to recompute or reorder)."""
+    level = analysis.plans.levels[k]
+    order = analysis.orders[k] if apply_order else None
+    return bool(level.recompute or level.offload or microbatches > 1
+                or (order is not None and order != list(range(len(order)))))
+
+
+def rewrite_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tuple[Any, ...],
+                  apply_order: bool = True, microbatches: int = 1, axis: str = "") -> Rewritten:
+    """Level ``k`` of ``analysis`` applied to the trace at the shapes of ``dynamic``.
 
     Args:
-        graph: a graph whose nodes carry equations (from ``build_graph`` or a rewrite).
-        enforce_order: chain materialising nodes through optimization barriers.
+        analysis: the call's analysis.
+        k: the level.
+        dims: the bound dims (for the microbatch split of dim ``axis``).
+        dynamic: the dynamic arguments (arrays or ``jax.ShapeDtypeStruct``).
+        apply_order: apply the scheduler's op order, if it gave one.
+        microbatches: split dim ``axis`` into this many accumulation steps.
+        axis: the batch dim's name.
     """
-    consts = dict(graph.consts)
+    level = analysis.plans.levels[k]
+    avals = [as_struct(x) for x in jax.tree_util.tree_leaves(dynamic)]
+    tree = jax.tree_util.tree_structure(dynamic)
 
-    def run(*flat: Any) -> list[Any]:
-        if len(flat) != len(graph.inputs):
-            raise TypeError(f"expected {len(graph.inputs)} flat arguments, got {len(flat)}")
-        env: dict[int, Any] = dict(consts)
-        env.update(zip(graph.inputs, flat, strict=True))
-        token: Any = None
-        for node in graph.nodes:
-            if node.eqn is None:  # a planner barrier
-                outs = lax.optimization_barrier(tuple(env[v] for v in node.inputs))
-            else:
-                invals = [env[o] if o is not None else atom.val
-                          for o, atom in zip(node.operands, node.eqn.invars, strict=True)]
-                if enforce_order and node.kind in _SYNC_KINDS and token is not None:
-                    *invals, _ = lax.optimization_barrier((*invals, token))
-                    invals = list(invals)
-                outs = _bind(node.eqn, invals)
-                if enforce_order and node.kind in _SYNC_KINDS and outs:
-                    token = outs[0]
-            for v, x in zip(node.outputs, outs, strict=True):
-                env[v] = x
-        return [env[v] for v in graph.outputs]
+    def fresh(*a: Any) -> Any:  # a new function: JAX's trace cache cannot see the context
+        return analysis.flat_fn(*a)
 
-    return run
+    with microbatching(microbatches, dims.get(axis, 0)):
+        closed, out_shape = jax.make_jaxpr(fresh if microbatches > 1 else analysis.flat_fn,
+                                           return_shape=True)(
+            *jax.tree_util.tree_unflatten(tree, avals))
+    graph = build_graph(closed)
+    residuals = find_residuals(graph)
+    recompute, offload = set(level.recompute), set(level.offload)
+    rewritten = apply_remat(graph, [r for r in residuals if r.group in recompute],
+                            [r for r in residuals if r.group in offload], residuals)
+    order = analysis.orders[k] if apply_order else None
+    enforced = False
+    if order is not None and order != list(range(len(order))) and microbatches == 1:
+        if [n.primitive for n in rewritten.nodes] == [n.primitive for n in level.graph.nodes]:
+            rewritten, enforced = reorder(rewritten, order), True
+        else:
+            warnings.warn("jaxmem: the concrete trace differs from the symbolic one; the "
+                          "scheduler's order is not applied at this shape", JaxmemWarning,
+                          stacklevel=3)
+    return Rewritten(rewritten, jax.tree_util.tree_structure(out_shape), enforced)
 
-
-def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    bound = eqn.primitive.get_bind_params(eqn.params)
-    # Older JAX returns (subfuns, params); newer JAX folds subfuns into params.
-    subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
-    out = eqn.primitive.bind(*subfuns, *invals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]

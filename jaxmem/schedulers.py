@@ -26,9 +26,10 @@ from typing import Any
 
 import sympy
 
-from jaxmem._errors import ScheduleError
+from jaxmem.errors import ScheduleError
 from jaxmem.graph import Graph, Node, Value
-from jaxmem.symbolic import Cmp, Comparison, ShapeDomain, compare
+from jaxmem.memory import materialised, memory_model
+from jaxmem.symbolic import Cmp, Comparison, ShapeDomain, compare, lowers_somewhere
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,13 +131,10 @@ class MemoryAware(Scheduler):
         candidate = memory_order(graph.graph, graph.domain, self.decided)
         if candidate == list(range(len(candidate))):
             return None
-        from jaxmem.memory import memory_model
-        from jaxmem.plan.planner import _lowers_somewhere
-
         tally: collections.Counter[str] = collections.Counter()
         base = memory_model(graph.graph, graph.domain).peak_bytes
         new = memory_model(graph.graph, graph.domain, order=candidate).peak_bytes
-        return candidate if _lowers_somewhere(new, base, graph.domain, True, tally) else None
+        return candidate if lowers_somewhere(new, base, graph.domain, True, tally) else None
 
     def __repr__(self) -> str:
         return f"MemoryAware(reorder={self.reorder})"
@@ -144,9 +142,7 @@ class MemoryAware(Scheduler):
 
 def _impacts(graph: Graph) -> tuple[dict[int, sympy.Expr], dict[int, tuple[int, ...]]]:
     """Per node: bytes its materialised outputs take; per node: the buffers it reads."""
-    from jaxmem.memory import _materialised
-
-    owner = _materialised(graph)
+    owner = materialised(graph)
     made = {n.index: sympy.Add(*[graph.values[o].nbytes for o in n.outputs
                                  if owner.get(o, o) == o and n.kind != "view"])
             for n in graph.nodes}

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem._errors import JaxmemError, ShapeOutOfRangeError, SymbolicError
+from jaxmem.errors import JaxmemError, ShapeOutOfRangeError, SymbolicError
 
 
 @dataclasses.dataclass(frozen=True)

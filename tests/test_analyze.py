@@ -1,4 +1,4 @@
-"""``jaxmem.analyze``: the contract's report (DESIGN.md section 2).
+"""``jaxmem.analyze``: the contract's report (docs/design.md section 2).
 
 Covers: ``report.symbols``, ``peak_bytes`` as a sympy expression over
 ``Symbol("b")``/``Symbol("s")``, ``peak_bytes_at`` (exact agreement with the

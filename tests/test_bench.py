@@ -1,21 +1,27 @@
-"""A tiny form of ``bench.compare``: JSON keys and types, and that figures are written.
+"""A tiny form of ``bench.compare``: JSON keys and types, that figures are written, and
+that every benchmark CLI writes only under ``--out``'s directory (``bench.outputs``).
 
 Benchmarks are not tests: no speed or memory target is asserted here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fractions
 import inspect
 import json
+import os
+import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from bench import compare, dispatch, offload
 from bench.compare import run_comparison, shape_grid
 from bench.methods import bucket_length
-from bench.workload import build_workload
+from bench.workload import Workload, build_workload
 from train.stdlib_data import records_from_source
 
 METHODS_UNDER_TEST = ("xla", "jaxmem-static", "pad-max")
@@ -25,13 +31,18 @@ ROW_KEYS = {"workload": str, "b": int, "s": int, "method": str, "peak_bytes": in
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+def workload() -> Workload:
     warnings.filterwarnings("ignore", message=".*unknown primitive.*")
-    out = tmp_path_factory.mktemp("bench")
     # Real records (documented functions of a stdlib module), no stdlib-wide scan.
     records = records_from_source(inspect.getsource(fractions))
-    w = build_workload("tiny", max_len=160, records=records, n_layers=1, d_model=32, d_ff=64,
-                       n_heads=2, n_kv_heads=1)
+    return build_workload("tiny", max_len=160, records=records, n_layers=1, d_model=32,
+                          d_ff=64, n_heads=2, n_kv_heads=1)
+
+
+@pytest.fixture(scope="module")
+def result(workload: Workload, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("bench")
+    w = workload
     grid = shape_grid(w.lengths, [4], [1.0])  # 8 examples: 2 batches of 4
     # jaxmem's symbolic analysis takes minutes even for this model (reported), so the fast
     # test compares the static planner; the CLI runs every method.
@@ -96,3 +107,67 @@ def test_offload_bench_writes_its_figures(tmp_path: Path) -> None:
     assert res["rows"][0]["offload"] == [] and any(r["offload"] for r in res["rows"])
     for row in res["rows"]:
         assert row["peak_bytes"] > 0 and row["max_abs_diff"] < 1e-4
+
+
+_WRITES: list[str] | None = None  # paths written while recording, else None
+_HOOKED: list[bool] = []  # an audit hook cannot be removed: install it once
+_WRITE_EVENTS = frozenset({"os.mkdir", "os.rename", "os.remove", "os.rmdir", "os.symlink",
+                           "os.link", "os.truncate", "shutil.copyfile", "shutil.move",
+                           "shutil.rmtree"})
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _WRITES is None or not args or not isinstance(args[0], str | bytes | os.PathLike):
+        return
+    if event == "open":
+        _, mode, flags = args
+        if not (any(c in mode for c in "wax+") if isinstance(mode, str)
+                else flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)):
+            return
+    elif event not in _WRITE_EVENTS:
+        return
+    _WRITES.append(os.path.abspath(os.fsdecode(args[0])))
+
+
+@contextlib.contextmanager
+def _recording_writes() -> Iterator[list[str]]:
+    """Every path Python opens for writing (or creates, moves, removes) inside the block."""
+    global _WRITES
+    if not _HOOKED:
+        sys.addaudithook(_audit)
+        _HOOKED.append(True)
+    _WRITES = []
+    try:
+        yield _WRITES
+    finally:
+        _WRITES = None
+
+
+@pytest.mark.parametrize("bench", ["dispatch", "offload", "compare"])
+def test_bench_writes_only_where_told(bench: str, workload: Workload, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run with ``--out`` in a tmp dir writes nothing outside it (not bench/results)."""
+    with contextlib.suppress(ImportError):
+        import matplotlib.pyplot  # noqa: F401  (its font cache is not the bench's doing)
+    out, cwd = tmp_path / "out", tmp_path / "cwd"
+    out.mkdir()
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)  # a relative default path would land here
+    results = Path(compare.__file__).parent / "results"
+    before = {p: p.stat().st_mtime_ns for p in results.rglob("*")}
+    argv = ["--out", str(out / f"{bench}.json")]
+    if bench == "compare":  # the tiny workload, one shape, two methods: a few seconds
+        monkeypatch.setattr(compare, "build_workload", lambda *a, **k: workload)
+        argv += ["--batch", "4", "--quantiles", "1.0", "--repeats", "1", "--epoch-batches", "0",
+                 "--methods", "xla", "pad-max", "--no-timeline", "--no-analyze"]
+    else:
+        argv.append("--quick")
+    main = {"dispatch": dispatch.main, "offload": offload.main, "compare": compare.main}[bench]
+    with _recording_writes() as written:
+        assert main(argv) == 0
+    assert written and all(Path(p).is_relative_to(out) for p in written), written
+    assert not list(cwd.iterdir())
+    assert {p: p.stat().st_mtime_ns for p in results.rglob("*")} == before
+    files = {p.name for p in out.iterdir()}
+    assert f"{bench}.json" in files
+    assert ("compare.md" if bench == "compare" else f"{bench}.txt") in files

@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxmem
-from jaxmem.dispatch import analyze_specs, bind_dims, local_dims, merge_args
+from jaxmem.dispatch.bind import bind_dims
+from jaxmem.plan.analysis import analyze_specs, local_dims, merge_args
 
 
 def analysis(fn, dynamic, shapes, constraints=()):
@@ -81,7 +82,7 @@ SHARDED = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jaxmem
-    from jaxmem.plan.plan import xla_peak_bytes
+    from jaxmem.lower import xla_peak_bytes
 
     assert jax.device_count() == 4, jax.devices()
     mesh = Mesh(np.array(jax.devices()), ("d",))

@@ -147,7 +147,7 @@ def test_new_dtype_retraces_like_jax_jit():
     g = jaxmem.jit(lambda x: x * 2, polymorphic_shapes=("b",))
     assert g(jnp.ones(3)).dtype == jnp.float32
     assert g(jnp.ones(3, jnp.int32)).dtype == jnp.int32
-    assert g.compiles == 2 and len(g._analyses) == 2
+    assert g.compiles == 2 and g.cache_info().analyses == 2
 
 
 def test_pure_callback_warns_and_runs():

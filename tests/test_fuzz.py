@@ -20,7 +20,7 @@ Properties (which equality holds, and why):
   size; the symbolic model cannot prove that equality on the whole domain and
   errs high, so there ``symbolic >= concrete`` is checked (about 8 % of examples).
 * The default model (``reuse_outputs=True``, ``Report.peak_bytes_at``) cannot be
-  compared exactly: :mod:`jaxmem.reuse` leaves out output allocations below
+  compared exactly: :mod:`jaxmem.memory.reuse` leaves out output allocations below
   ``MIN_ALLOCATION_BYTES`` / ``MIN_GROUP_FRACTION`` and size classes below
   ``TOLERANCE`` judged over the *domain* (its upper corner, its sample points),
   which a concrete trace (a one-point domain) judges differently: e.g. a 4-byte
@@ -362,7 +362,7 @@ def test_domain_corners(dims: dict[str, int]) -> None:
 
 
 def test_regression_reuse_temp_is_never_negative() -> None:
-    from jaxmem.reuse import point_expression
+    from jaxmem.memory.reuse import point_expression
 
     b, s = sym("b"), sym("s")
     dom = ShapeDomain.from_constraints(("b", "s"), CONSTRAINTS)

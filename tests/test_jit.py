@@ -19,7 +19,7 @@ from flax import nnx
 
 import jaxmem
 from bench.programs import optax_step
-from jaxmem.plan.plan import xla_peak_bytes
+from jaxmem import xla_peak_bytes
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _compiles: list[str] = []
@@ -269,7 +269,7 @@ def test_threads_share_the_cache():
     for t in threads:
         t.join()
     assert not errors
-    assert f.compiles == 2 and len(f._analyses) == 1
+    assert f.compiles == 2 and f.cache_info().analyses == 1
     for i, b in enumerate(sizes):
         assert_tree_close(results[i], MLP_REF(MLP_PARAMS, rows(b)))
 

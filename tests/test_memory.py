@@ -1,4 +1,4 @@
-"""The memory model (``jaxmem.memory``, ``jaxmem.reuse``) against hand counts and XLA.
+"""The memory model (``jaxmem.memory``, ``jaxmem.memory.reuse``) against hand counts and XLA.
 
 Unit tests pin what is materialised, live ranges, donation and the output-reuse
 placement (checked against a brute-force best placement). The XLA tests compile
@@ -33,7 +33,7 @@ from programs import (
 
 from jaxmem.graph import build_graph
 from jaxmem.memory import liveness, memory_model
-from jaxmem.reuse import hidden_bytes_numeric, point_expression
+from jaxmem.memory.reuse import hidden_bytes_numeric, point_expression
 from jaxmem.symbolic import ShapeDomain, sym
 
 B, S = sym("b"), sym("s")

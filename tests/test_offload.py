@@ -1,7 +1,7 @@
 """Host offload: planned by symbolic memory, rewritten into transfers, lowered for GPU.
 
 CPU cannot measure offload (XLA keeps ``pinned_host`` arrays in the same memory,
-DESIGN §4; JAX's CPU lowering drops the transfers), so these tests force
+docs/design.md §4; JAX's CPU lowering drops the transfers), so these tests force
 ``offload=True`` and check what CPU can check: outputs equal ``jax.jit``'s, the
 symbolic model frees the offloaded bytes, and the program lowered for CUDA
 carries XLA's host-placement annotations. The H200 check lives in ``bench/gpu.sh``.
@@ -18,10 +18,11 @@ import pytest
 
 import jaxmem
 from jaxmem.graph import build_graph
+from jaxmem.lower import as_function
 from jaxmem.plan.offload import costs_for, offload_supported
-from jaxmem.plan.plan import _rewritten, compile_level
 from jaxmem.plan.remat import apply_remat
 from jaxmem.plan.residuals import find_residuals
+from jaxmem.rewrite import rewrite_level
 
 
 def loss(ws: list[jax.Array], x: jax.Array) -> jax.Array:
@@ -76,7 +77,7 @@ def test_rewrite_moves_residuals_out_and_back():
     # Every backward reader of an offloaded residual now reads the reloaded copy.
     gone = {r.value for r in moved}
     assert not any(v in gone for n in out.nodes if n.is_backward for v in n.inputs)
-    got = jax.jit(lambda *a: jaxmem.rewrite.as_function(out)(*a))(
+    got = jax.jit(lambda *a: jaxmem.lower.as_function(out)(*a))(
         *jax.tree_util.tree_leaves((WS, rows(32))))
     want = jax.tree_util.tree_leaves(jax.jit(step)(WS, rows(32)))
     for a, b in zip(got, want, strict=True):
@@ -89,14 +90,14 @@ def forced() -> jaxmem.Jitted:
 
 
 def test_planner_offloads_what_recomputation_cannot_free_cheaply(forced: jaxmem.Jitted):
-    analysis = forced._analysis((), (WS, rows(256)))
+    analysis = forced.analysis(WS, rows(256))
     levels = analysis.plans.levels
     assert analysis.offload_planned
     k = next(i for i, lv in enumerate(levels) if lv.offload)
     dims = {"b": 4096}
     assert levels[k].peak_fn(dims) < levels[k - 1].peak_fn(dims)
     assert levels[k].offload_bytes != 0
-    plan = compile_level(analysis, k, {"b": 256}, (), (WS, rows(256)), forced)
+    plan = forced.compile_level(k, WS, rows(256))
     text = plan.describe()
     assert "offload   <top>:" in text and "to host memory" in text
     for a, b in zip(jax.tree_util.tree_leaves(plan.run(WS, rows(256))),
@@ -105,9 +106,14 @@ def test_planner_offloads_what_recomputation_cannot_free_cheaply(forced: jaxmem.
 
 
 def test_offload_lowers_to_pinned_host_for_gpu(forced: jaxmem.Jitted):
-    analysis = forced._analysis((), (WS, rows(256)))
+    analysis = forced.analysis(WS, rows(256))
     k = next(i for i, lv in enumerate(analysis.plans.levels) if lv.offload)
-    run, _ = _rewritten(analysis, k, {"b": 256}, (WS, rows(256)), None, 1, "")
+    rewritten = rewrite_level(analysis, k, {"b": 256}, (WS, rows(256)))
+    body = as_function(rewritten.graph)
+
+    def run(*dyn):
+        return body(*jax.tree_util.tree_leaves(dyn))
+
     specs = jax.tree_util.tree_map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype),
                                    (WS, rows(256)))
     module = jax.export.export(jax.jit(run), platforms=["cuda"])(*specs).mlir_module()
@@ -139,11 +145,11 @@ def test_llama_step_with_offload_and_recompute_matches_jax_jit():
     f = jaxmem.jit(w.train_step, polymorphic_shapes=(None, "b, s"),
                    constraints=("b <= 4", "s <= 64"), offload=True)
     batch = w.batch(2, 24)
-    analysis = f._analysis((), (w.state, batch))
+    analysis = f.analysis(w.state, batch)
     mixed = [k for k, lv in enumerate(analysis.plans.levels) if lv.offload and lv.recompute]
     assert mixed
     want = jax.tree_util.tree_leaves(jax.jit(w.train_step)(w.state, batch))
-    plan = compile_level(analysis, mixed[-1], {"b": 2, "s": 24}, (), (w.state, batch), f)
+    plan = f.compile_level(mixed[-1], w.state, batch)
     got = jax.tree_util.tree_leaves(plan.run(w.state, batch))
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
@@ -170,10 +176,10 @@ def test_residual_no_chain_rebuilds_can_still_be_offloaded():
     assert masked and masked[0].recompute_nodes == ()
     f = jaxmem.jit(dropout_step, polymorphic_shapes=(None, "b, 64", None),
                    constraints=("b <= 4096",), offload=True)
-    analysis = f._analysis((), (w, rows(256), key))
+    analysis = f.analysis(w, rows(256), key)
     k = next(i for i, lv in enumerate(analysis.plans.levels) if "<top>:select_n" in lv.offload)
     assert "<top>:select_n" not in analysis.plans.levels[k].recompute
-    plan = compile_level(analysis, k, {"b": 256}, (), (w, rows(256), key), f)
+    plan = f.compile_level(k, w, rows(256), key)
     np.testing.assert_allclose(plan.run(w, rows(256), key),
                                jax.jit(dropout_step)(w, rows(256), key), rtol=1e-5, atol=1e-6)
     without = jaxmem.jit(dropout_step, polymorphic_shapes=(None, "b, 64", None),

@@ -20,8 +20,8 @@ import pytest
 import jaxmem
 from bench.programs import optax_step
 from jaxmem.graph import build_graph
-from jaxmem.plan.plan import xla_peak_bytes
-from jaxmem.plan.planner import plan_levels
+from jaxmem.lower import xla_peak_bytes
+from jaxmem.plan.levels import plan_levels
 from jaxmem.plan.residuals import find_residuals
 from jaxmem.symbolic import ShapeDomain
 
@@ -177,13 +177,13 @@ class Faulty:
         return self.compiled(*args)
 
 
-def inject(f: jaxmem.Jitted, plan: jaxmem.Plan, fake: Faulty) -> jaxmem.Plan:
-    """Swaps ``plan``'s executable in ``f``'s cache for ``fake``."""
+def inject(f: jaxmem.Jitted, plan: jaxmem.Plan, fake: Faulty, *args) -> jaxmem.Plan:
+    """Makes calls shaped like ``args`` run ``plan`` with its executable swapped for ``fake``."""
     import dataclasses
 
-    key = next(k for k, p in f._plans.items() if p is plan)
-    f._plans[key] = dataclasses.replace(plan, compiled=fake)
-    return f._plans[key]
+    faulty = dataclasses.replace(plan, compiled=fake)
+    f.use_plan(faulty, *args)
+    return faulty
 
 
 def copy_state(state: tuple) -> tuple:
@@ -195,7 +195,7 @@ def test_oom_replans_tighter_and_retries_once_keeping_donated_inputs(state, x):
     first = f.plan_for(state, x)
     assert first.level == 0
     fake = Faulty(first.compiled)
-    inject(f, first, fake)
+    inject(f, first, fake, state, x)
     want = jax.jit(step)(state, x)
     mine = copy_state(state)
     got = f(mine, x)  # fails once before running, re-plans, runs again
@@ -212,7 +212,7 @@ def test_oom_replans_tighter_and_retries_once_keeping_donated_inputs(state, x):
 
 def test_oom_after_donated_inputs_were_consumed_is_not_retried(state, x):
     f = jaxmem.jit(step, donate_argnums=(0,), **SPECS)
-    inject(f, f.plan_for(state, x), Faulty(f.plan_for(state, x).compiled, consume=True))
+    inject(f, f.plan_for(state, x), Faulty(f.plan_for(state, x).compiled, consume=True), state, x)
     with pytest.raises(jaxmem.JaxmemError, match=r"consumed the donated inputs args\[0\]") as e:
         f(copy_state(state), x)
     assert isinstance(e.value.__cause__, jax.errors.JaxRuntimeError)
@@ -221,7 +221,8 @@ def test_oom_after_donated_inputs_were_consumed_is_not_retried(state, x):
 
 def test_other_runtime_errors_propagate(state, x):
     f = jaxmem.jit(step, **SPECS)
-    inject(f, f.plan_for(state, x), Faulty(f.plan_for(state, x).compiled, message="INTERNAL"))
+    plan = f.plan_for(state, x)
+    inject(f, plan, Faulty(plan.compiled, message="INTERNAL"), state, x)
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         f(state, x)
     assert f.retries == 0

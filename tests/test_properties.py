@@ -190,9 +190,12 @@ def test_out_of_range_shapes_are_refused(variant: tuple) -> None:
 
 @functools.cache
 def offloading(variant: tuple) -> jaxmem.Jitted:
+    """The family's step with offload planned and transfers priced near free."""
+    from jaxmem.plan.offload import Costs
+
     step, *_ = FAMILIES[variant[0]](*variant[1:])
     return jaxmem.jit(step, polymorphic_shapes=(None, compiled(variant)[0].polymorphic_shapes[1]),
-                      constraints=CONSTRAINTS, offload=True)
+                      constraints=CONSTRAINTS, offload=True, offload_costs=Costs(1e11, 1e16))
 
 
 @settings(max_examples=60, deadline=None, database=None,
@@ -207,22 +210,15 @@ def test_every_level_with_offload_matches_jax_jit(variant: tuple, b: int, s: int
     Transfers are priced near free so that offload competes with recomputation even
     in these tiny programs.
     """
-    from unittest import mock
-
-    from jaxmem.plan.offload import Costs
-    from jaxmem.plan.plan import compile_level
-
     _, plain, shapes, x_shape = compiled(variant)
     planned = offloading(variant)
     params = _params(shapes, seed)
     x = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(x_shape(b, s), np.float32))
-    with mock.patch("jaxmem.dispatch.costs_for", lambda _: Costs(1e11, 1e16)):
-        analysis = planned._analysis((), (params, x))
+    analysis = planned.analysis(params, x)
     levels = analysis.plans.levels
     n_off = sum(bool(lv.offload) for lv in levels)
     event(f"{variant[0]}: {len(levels)} levels, {n_off} offloading")
-    dims = {"b": b, "s": s} if "s" in analysis.domain.symbols else {"b": b}
     want = plain(params, x)
     for k in range(len(levels)):
-        plan = compile_level(analysis, k, dims, (), (params, x), planned)
+        plan = planned.compile_level(k, params, x)
         assert_tree_close(plan.run(params, x), want)

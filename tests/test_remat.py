@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem.graph import build_graph
+from jaxmem.lower import as_function, compiler_options
 from jaxmem.plan.remat import apply_remat
 from jaxmem.plan.residuals import clean_scope, find_residuals, is_forward
-from jaxmem.rewrite import as_function, compiler_options
 
 D, H, LAYERS, B = 16, 128, 3, 64
 

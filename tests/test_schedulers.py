@@ -15,8 +15,8 @@ import jaxmem
 from hlo_passes.order import order_survival
 from jaxmem import schedulers
 from jaxmem.graph import build_graph
+from jaxmem.lower import xla_peak_bytes
 from jaxmem.memory import memory_model
-from jaxmem.plan.plan import xla_peak_bytes
 from jaxmem.schedulers import ScheduleGraph, validate_order
 from jaxmem.symbolic import ShapeDomain, sym
 

@@ -29,16 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from train.records import Record  # re-exported: ``from train.data import Record``
 from train.tokenizer import Tokenizer
-
-
-@dataclasses.dataclass(frozen=True)
-class Record:
-    """One instruction-tuning example in Alpaca form."""
-
-    instruction: str
-    input: str
-    output: str
 
 
 @dataclasses.dataclass(frozen=True)

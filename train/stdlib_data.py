@@ -30,7 +30,7 @@ import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 
-from train.data import Record
+from train.records import Record
 
 _SKIP_DIRS = frozenset({
     "__pycache__", "test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages",

@@ -8,7 +8,7 @@ but instead of FLOPs it costs two transfers over the host link.
 
 Offload is planned where the backend keeps host arrays out of device memory
 (GPU, TPU). On CPU the host *is* the device: XLA compiles a ``pinned_host``
-array to the same bytes as a device one (DESIGN §4), so jaxmem does not plan it
+array to the same bytes as a device one (docs/design.md §4), so jaxmem does not plan it
 there unless asked (``jaxmem.jit(..., offload=True)``, which tests use to check
 the rewrite).
 
@@ -71,7 +71,7 @@ def transfer_eqn(to_host: bool) -> Any:
     """A ``device_put`` equation that moves its operand to host (or device) memory.
 
     Its parameters do not depend on the operand's shape, so one template serves
-    every value when :mod:`jaxmem.rewrite` binds it.
+    every value when :mod:`jaxmem.lower` binds it.
     """
     space = jax.memory.Space.Host if to_host else jax.memory.Space.Device
     closed = jax.make_jaxpr(lambda x: jax.device_put(x, space))(jnp.zeros((), jnp.float32))

@@ -6,7 +6,7 @@ first backward use by re-running the forward operations that produced it. The
 clone's inputs pass through ``optimization_barrier`` together with a value of
 the backward pass, so XLA can neither run the recomputation early nor merge it
 with the forward original (on CPU that needs the ``cse_barrier_expander`` pass
-off; see :mod:`jaxmem.rewrite`). The memory model runs on the result unchanged.
+off; see :mod:`jaxmem.lower`). The memory model runs on the result unchanged.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -30,6 +30,8 @@ from jaxmem.graph import Graph, Node, Value
 from jaxmem.plan.offload import transfer_eqn
 from jaxmem.plan.residuals import Residual, find_residuals, recompute_chain
 
+Chain = tuple[int, ...]  # indices of the forward nodes one residual's rewrite re-runs
+
 
 def _live_anyway(graph: Graph, residuals: Sequence[Residual] | None) -> set[int]:
     """Values the backward pass keeps anyway: residuals, inputs and constants."""
@@ -39,7 +41,7 @@ def _live_anyway(graph: Graph, residuals: Sequence[Residual] | None) -> set[int]
 
 def recompute_chains(graph: Graph, recompute: Iterable[Residual],
                      residuals: Sequence[Residual] | None = None
-                     ) -> list[tuple[Residual, tuple[int, ...]]]:
+                     ) -> list[tuple[Residual, Chain]]:
     """The residuals that will really be recomputed, each with the forward nodes it re-runs.
 
     Chains start from values that stay live anyway (inputs, constants, residuals
@@ -63,7 +65,7 @@ def recompute_chains(graph: Graph, recompute: Iterable[Residual],
 
 def offload_chains(graph: Graph, offload: Iterable[Residual],
                    residuals: Sequence[Residual] | None = None
-                   ) -> list[tuple[Residual, tuple[int, ...]]]:
+                   ) -> list[tuple[Residual, Chain]]:
     """The residuals that can really be offloaded, each with the nodes that rebuild its aliases.
 
     An offloaded residual comes back as it was; the fused or view values the
@@ -102,84 +104,119 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual],
     if not chains and not moved:
         return graph
     off = {r.value: r for r, _ in moved}
-    by_first: dict[int, list[tuple[Residual, tuple[int, ...]]]] = {}
+    by_first: dict[int, list[tuple[Residual, Chain]]] = {}
     for r, chain in chains + moved:
         by_first.setdefault(r.first_use, []).append((r, chain))
     offloaded_after: dict[int, list[int]] = {}  # producer -> its offloaded outputs
     for r in off.values():
         offloaded_after.setdefault(r.producer, []).append(r.value)
-    values: list[Value] = list(graph.values)
-    nodes: list[Node] = []
-    rename: dict[int, int] = {}  # residual value -> its clone or reloaded copy, once made
-    host: dict[int, int] = {}  # offloaded value -> its copy in host memory
-    last_out: int | None = None  # latest value made before the current node
-    producers = graph.producers
-
-    def new_value(like: int, on_host: bool = False) -> int:
-        v = values[like]
-        vid = len(values)
-        values.append(dataclasses.replace(v, id=vid, nbytes=sympy.Integer(0), host=True)
-                      if on_host else dataclasses.replace(v, id=vid))
-        return vid
-
-    def emit(node: Node, inputs: list[int], operands: list[int | None], outputs: list[int]) -> None:
-        nodes.append(dataclasses.replace(node, index=len(nodes), inputs=tuple(inputs),
-                                         operands=tuple(operands), outputs=tuple(outputs)))
-
-    def transfer(src: int, original: int, to_host: bool, scope: str) -> int:
-        out = new_value(original, on_host=to_host)
-        nodes.append(Node(len(nodes), "device_put", "opaque", (src,), (out,), scope,
-                          eqn=transfer_eqn(to_host), operands=(src,)))
-        return out
-
+    rw = _Rewrite(graph, off)
     for node in graph.nodes:
         block = by_first.get(node.index)
         if block:
-            chain = sorted({i for _, c in block for i in c})
-            made = {o for i in chain for o in graph.nodes[i].outputs}
-            leaves = list(dict.fromkeys(v for i in chain for v in graph.nodes[i].inputs
-                                        if v not in made))
-            # Offloaded values this block needs come back now, unless they already did.
-            reload = list(dict.fromkeys([r.value for r, _ in block if r.value in off]
-                                        + [v for v in leaves if v in off]))
-            reload = [v for v in reload if v not in rename]
-            leaves = [v for v in leaves if v not in reload]
-            # The barrier's extra operand pins the block after the node that ran just
-            # before its first use: XLA can hoist neither recomputation nor reload.
-            trigger = next((v for v in node.inputs
-                            if v in producers and graph.nodes[producers[v]].is_backward),
-                           last_out)
-            sources = [rename.get(v, v) for v in leaves] + [host[v] for v in reload]
-            barrier_in = sources + ([trigger] if trigger is not None else [])
-            barrier_out = [new_value(v) for v in barrier_in]
-            nodes.append(Node(len(nodes), "optimization_barrier", "view", tuple(barrier_in),
-                              tuple(barrier_out), node.scope + "/remat",
-                              operands=tuple(barrier_in)))
-            local = dict(zip(leaves + reload, barrier_out, strict=False))
-            for v in reload:
-                local[v] = rename[v] = transfer(local[v], v, False, node.scope + "/offload")
-            for i in chain:
-                src = graph.nodes[i]
-                outs = [new_value(o) for o in src.outputs]
-                ins = [local.get(v, v) for v in src.inputs]
-                ops = [None if o is None else local.get(o, o) for o in src.operands]
-                emit(dataclasses.replace(src, scope=src.scope + "/remat"), ins, ops, outs)
-                local.update(zip(src.outputs, outs, strict=True))
-            for r, _ in block:
-                for v in (r.value, *r.aliases):
-                    if v in local:  # else: an offloaded value an earlier block reloaded
-                        rename[v] = local[v]
-        if node.is_backward:
-            ins = [rename.get(v, v) for v in node.inputs]
-            ops = [None if o is None else rename.get(o, o) for o in node.operands]
-            emit(node, ins, ops, list(node.outputs))
-        else:
-            emit(node, list(node.inputs), list(node.operands), list(node.outputs))
+            rw.rebuild_block(node, block)
+        rw.copy_node(node)
         for v in offloaded_after.get(node.index, ()):
-            host[v] = transfer(v, v, True, node.scope + "/offload")
+            rw.host[v] = rw.transfer(v, v, True, node.scope + "/offload")
         if node.outputs:
-            last_out = node.outputs[0]
-    return Graph(tuple(values), tuple(nodes), graph.inputs, graph.outputs, graph.consts)
+            rw.last_out = node.outputs[0]
+    return Graph(tuple(rw.values), tuple(rw.nodes), graph.inputs, graph.outputs, graph.consts)
+
+
+class _Rewrite:
+    """The graph :func:`apply_remat` builds while it walks the original in program order.
+
+    Original values keep their ids; every clone, barrier output and transferred
+    copy is a new value appended after them.
+    """
+
+    def __init__(self, graph: Graph, off: dict[int, Residual]) -> None:
+        self.graph = graph
+        self.off = off  # offloaded residuals by value
+        self.producers = graph.producers
+        self.values: list[Value] = list(graph.values)
+        self.nodes: list[Node] = []
+        self.rename: dict[int, int] = {}  # residual value -> its clone or reloaded copy, once made
+        self.host: dict[int, int] = {}  # offloaded value -> its copy in host memory
+        self.last_out: int | None = None  # latest value made before the current node
+
+    def new_value(self, like: int, on_host: bool = False) -> int:
+        """A new value shaped like ``like`` (taking no device bytes on the host); its id."""
+        v = self.values[like]
+        vid = len(self.values)
+        self.values.append(dataclasses.replace(v, id=vid, nbytes=sympy.Integer(0), host=True)
+                           if on_host else dataclasses.replace(v, id=vid))
+        return vid
+
+    def emit(self, node: Node, inputs: list[int], operands: list[int | None],
+             outputs: list[int]) -> None:
+        """Appends ``node`` reading and writing the given values."""
+        self.nodes.append(dataclasses.replace(node, index=len(self.nodes), inputs=tuple(inputs),
+                                              operands=tuple(operands), outputs=tuple(outputs)))
+
+    def transfer(self, src: int, original: int, to_host: bool, scope: str) -> int:
+        """A ``device_put`` of ``src`` to host or device memory; the copy's value id."""
+        out = self.new_value(original, on_host=to_host)
+        self.nodes.append(Node(len(self.nodes), "device_put", "opaque", (src,), (out,), scope,
+                               eqn=transfer_eqn(to_host), operands=(src,)))
+        return out
+
+    def copy_node(self, node: Node) -> None:
+        """Emits an original node; a backward one reads the clones made so far."""
+        if node.is_backward:
+            ins = [self.rename.get(v, v) for v in node.inputs]
+            ops = [None if o is None else self.rename.get(o, o) for o in node.operands]
+            self.emit(node, ins, ops, list(node.outputs))
+        else:
+            self.emit(node, list(node.inputs), list(node.operands), list(node.outputs))
+
+    def rebuild_block(self, node: Node, block: list[tuple[Residual, Chain]]) -> None:
+        """Brings back, just before ``node``, the residuals whose first use it is."""
+        graph = self.graph
+        chain = sorted({i for _, c in block for i in c})
+        made = {o for i in chain for o in graph.nodes[i].outputs}
+        leaves = list(dict.fromkeys(v for i in chain for v in graph.nodes[i].inputs
+                                    if v not in made))
+        # Offloaded values this block needs come back now, unless they already did.
+        reload = list(dict.fromkeys([r.value for r, _ in block if r.value in self.off]
+                                    + [v for v in leaves if v in self.off]))
+        reload = [v for v in reload if v not in self.rename]
+        leaves = [v for v in leaves if v not in reload]
+        local = self.barrier(node, leaves, reload)
+        for v in reload:
+            local[v] = self.rename[v] = self.transfer(local[v], v, False,
+                                                      node.scope + "/offload")
+        self.replay(chain, local)
+        for r, _ in block:
+            for v in (r.value, *r.aliases):
+                if v in local:  # else: an offloaded value an earlier block reloaded
+                    self.rename[v] = local[v]
+
+    def barrier(self, node: Node, leaves: list[int], reload: list[int]) -> dict[int, int]:
+        """An ``optimization_barrier`` over a block's sources; original -> barrier output."""
+        graph, producers = self.graph, self.producers
+        # The barrier's extra operand pins the block after the node that ran just
+        # before its first use: XLA can hoist neither recomputation nor reload.
+        trigger = next((v for v in node.inputs
+                        if v in producers and graph.nodes[producers[v]].is_backward),
+                       self.last_out)
+        sources = [self.rename.get(v, v) for v in leaves] + [self.host[v] for v in reload]
+        barrier_in = sources + ([trigger] if trigger is not None else [])
+        barrier_out = [self.new_value(v) for v in barrier_in]
+        self.nodes.append(Node(len(self.nodes), "optimization_barrier", "view", tuple(barrier_in),
+                               tuple(barrier_out), node.scope + "/remat",
+                               operands=tuple(barrier_in)))
+        return dict(zip(leaves + reload, barrier_out, strict=False))
+
+    def replay(self, chain: list[int], local: dict[int, int]) -> None:
+        """Re-runs the forward nodes ``chain`` on ``local``'s values, recording their clones."""
+        for i in chain:
+            src = self.graph.nodes[i]
+            outs = [self.new_value(o) for o in src.outputs]
+            ins = [local.get(v, v) for v in src.inputs]
+            ops = [None if o is None else local.get(o, o) for o in src.operands]
+            self.emit(dataclasses.replace(src, scope=src.scope + "/remat"), ins, ops, outs)
+            local.update(zip(src.outputs, outs, strict=True))
 
 
 def _cheap(graph: Graph, chain: tuple[int, ...], r: Residual, max_heavy: int = 2) -> bool:

@@ -25,7 +25,7 @@ import re
 import sympy
 
 from jaxmem.graph import Graph
-from jaxmem.memory import _materialised
+from jaxmem.memory import materialised
 
 _WRAPPERS = re.compile(r"\b(?:jvp|transpose|vmap|remat|checkpoint|pjit|jit)\(")
 _LAYER = re.compile(r"\d+")
@@ -108,7 +108,7 @@ def find_residuals(graph: Graph) -> tuple[Residual, ...]:
     materialised sources alive: each such source is the residual, and the value
     read is one of its ``aliases``, recomputed and renamed together with it.
     """
-    owner = _materialised(graph)
+    owner = materialised(graph)
     producers = graph.producers
     nodes = graph.nodes
     inputs = set(graph.inputs)

@@ -9,7 +9,7 @@ import pytest
 from jax import lax
 
 from jaxmem.graph import build_graph
-from jaxmem.rewrite import COMPILER_OPTIONS, as_function, compiler_options
+from jaxmem.lower import COMPILER_OPTIONS, as_function, compiler_options
 
 
 def program(w: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -71,8 +71,9 @@ def _monotone_fit(e: sympy.Expr, k: sympy.Expr, dom: ShapeDomain) -> sympy.Expr 
     """Decides ``e <= k`` for a size ``e`` with non-negative coefficients and a number ``k``.
 
     Such a polynomial grows with every dim, so its extremes on the box are at the
-    lower and upper corners: below ``k`` at the upper corner fits everywhere,
-    above it at the lower corner nowhere, otherwise the fit is a genuine step.
+    smallest and largest corners: at most ``k`` at the largest corner (of a
+    bounded domain) fits everywhere, above it at the smallest corner nowhere,
+    otherwise the fit is a genuine step.
     Sizes of several dims (``b*s**2``) have no single split point, which is why
     :func:`jaxmem.symbolic.compare` would sample them.
     """
@@ -87,13 +88,10 @@ def _monotone_fit(e: sympy.Expr, k: sympy.Expr, dom: ShapeDomain) -> sympy.Expr 
         return None
     if any(c < 0 for c in poly.coeffs()):
         return None
-    low = e.subs({x: lo for x, lo in zip(syms, dom.lower, strict=True)})
-    if low > k:
+    if e.subs(_at(dom.smallest_corner())) > k:
         return sympy.Integer(0)
-    if all(hi is not None for hi in dom.upper):
-        high = e.subs({x: hi for x, hi in zip(syms, dom.upper, strict=True)})
-        if high <= k:
-            return sympy.Integer(1)
+    if dom.bounded and e.subs(_at(dom.corner())) <= k:
+        return sympy.Integer(1)
     if dom.constraints:
         return None  # general constraints cut the box: let compare use them
     return sympy.Piecewise((1, sympy.Le(e, k)), (0, True))
@@ -141,6 +139,22 @@ def point_expression(items: Sequence[Item], allocations: Sequence[Item], dom: Sh
     items, fits = [items[i] for i in keep], [fits[i] for i in keep]
     # hidden = sum_g (M_g - M_g-1) * mean_g = sum_g M_g * (mean_g - mean_g+1): each M_g
     # (a chain of two-argument minima) then appears once in the expression tree.
+    placed, means = _placed_per_tier(items, fits, allocs)
+    hidden = []
+    for g, m_g in enumerate(placed):
+        if m_g == 0:
+            continue
+        drop = means[g] - (means[g + 1] if g + 1 < len(means) else 0)
+        hidden.append(m_g * drop if m_g.is_number else sympy.Mul(m_g, drop, evaluate=False))
+    return sympy.Add(total, *[-h for h in hidden]) if hidden else total
+
+
+def _placed_per_tier(items: Sequence[Item], fits: Sequence[Sequence[sympy.Expr]],
+                     allocs: Sequence[Item]) -> tuple[list[sympy.Expr], list[sympy.Expr]]:
+    """Items placed in tiers up to ``g`` (``M_g``) and each tier's mean item size.
+
+    Tiers no item belongs to anywhere on the domain are skipped in both lists.
+    """
     placed: list[sympy.Expr] = []
     means: list[sympy.Expr] = []
     last: sympy.Expr = sympy.Integer(0)
@@ -156,26 +170,18 @@ def point_expression(items: Sequence[Item], allocations: Sequence[Item], dom: Sh
         placed.append(last)
         means.append(weight / count if count.is_number
                      else weight / lattice(sympy.Max, [count, sympy.Integer(1)]))
-    hidden = []
-    for g, m_g in enumerate(placed):
-        if m_g == 0:
-            continue
-        drop = means[g] - (means[g + 1] if g + 1 < len(means) else 0)
-        hidden.append(m_g * drop if m_g.is_number else sympy.Mul(m_g, drop, evaluate=False))
-    return sympy.Add(total, *[-h for h in hidden]) if hidden else total
+    return placed, means
 
 
 def _sorted_allocations(allocations: Sequence[Item], dom: ShapeDomain) -> list[Item]:
-    """Allocation groups largest first (at the lower corner, then at the upper one)."""
-    low = {sym(n): lo for n, lo in zip(dom.symbols, dom.lower, strict=True)}
+    """Allocation groups largest first (at the smallest corner, then at the largest one)."""
+    low, high = _at(dom.smallest_corner()), _at(dom.corner())
     merged: dict[sympy.Expr, int] = {}
     for k, m in allocations:
         if m:
             merged[k] = merged.get(k, 0) + m
-    # Ties at the lower corner (4*b*s vs 4*b*s**2 at s=1) are broken at the upper
-    # corner, so that the larger size comes first wherever they differ.
-    high = {sym(n): (hi if hi is not None else max(lo, 1) * 64)
-            for n, lo, hi in zip(dom.symbols, dom.lower, dom.upper, strict=True)}
+    # Ties at the smallest corner (4*b*s vs 4*b*s**2 at s=1) are broken at the
+    # largest corner, so that the larger size comes first wherever they differ.
     return sorted(merged.items(),
                   key=lambda km: (-float(km[0].subs(low)), -float(km[0].subs(high))))
 
@@ -335,15 +341,22 @@ MIN_ALLOCATION_BYTES = 4096
 
 def _significant(outputs: Sequence[tuple[sympy.Expr, int]], dom: ShapeDomain
                  ) -> list[tuple[sympy.Expr, int]]:
-    """Outputs whose size group holds at least ``MIN_GROUP_FRACTION`` of all output bytes."""
-    hi = {sym(n): (up if up is not None else lo) for n, lo, up in
-          zip(dom.symbols, dom.lower, dom.upper, strict=True)}
+    """Outputs whose size group holds at least ``MIN_GROUP_FRACTION`` of all output bytes.
+
+    Shares and sizes are taken at the domain's largest corner.
+    """
+    hi = _at(dom.corner())
     per_group: dict[sympy.Expr, float] = collections.defaultdict(float)
     for k, _ in outputs:
         per_group[k] += float(k.subs(hi))
     total = sum(per_group.values())
     return [(k, w) for k, w in outputs if per_group[k] >= MIN_GROUP_FRACTION * total
             and float(k.subs(hi)) >= MIN_ALLOCATION_BYTES]
+
+
+def _at(point: Mapping[str, int]) -> dict[sympy.Symbol, int]:
+    """A point of the domain as a substitution of its symbols."""
+    return {sym(n): v for n, v in point.items()}
 
 
 def _intervals(n_points: int, width: int, spans: Sequence[tuple[int, int, int]]) -> np.ndarray:

@@ -34,14 +34,15 @@ from typing import Any
 
 import sympy
 
-from jaxmem._units import human_bytes
 from jaxmem.fastexpr import compile_expr
 from jaxmem.graph import Graph
 from jaxmem.memory import MemoryModel, memory_model
 from jaxmem.plan.offload import Costs, costs_for
 from jaxmem.plan.remat import apply_remat, offload_chains, recompute_chains
 from jaxmem.plan.residuals import Residual, find_residuals
-from jaxmem.symbolic import Cmp, ShapeDomain, compare, sym
+from jaxmem.plan.select import select_level
+from jaxmem.symbolic import ShapeDomain, lowers_somewhere, sym
+from jaxmem.units import human_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,14 +115,11 @@ class PlanSet:
         dom = self.domain
         ranges = ", ".join(f"{n} in [{lo}, {'inf' if hi is None else hi}]"
                            for n, lo, hi in zip(dom.symbols, dom.lower, dom.upper, strict=True))
-        corner = {str(k): v for k, v in _corner(dom).items()}
+        corner = dom.corner()
         at = ", ".join(f"{k}={v}" for k, v in corner.items())
         points = dom.sample_points()
-        chosen: list[int | None] = []
-        if budget_bytes is not None:
-            for p in points:
-                k = self.choose(p, budget_bytes)
-                chosen.append(k if self.levels[k].peak_fn(p) <= budget_bytes else None)
+        chosen = ([select_level(self, p, budget_bytes).level for p in points]
+                  if budget_bytes is not None else [])
         lines = [f"{len(self.levels)} level(s) over {ranges}; the first whose guard "
                  "peak(dims) <= budget runs"]
         seen_r: tuple[str, ...] = ()
@@ -149,43 +147,19 @@ class PlanSet:
         return "\n".join(lines)
 
     def choose(self, dims: Mapping[str, int], budget_bytes: int | None) -> int:
-        """Index of the first level whose predicted peak fits (the lowest-peak one if none)."""
-        if budget_bytes is None:
-            return 0
-        peaks = []
-        for k, level in enumerate(self.levels):
-            peaks.append(level.peak_fn(dims))
-            if peaks[-1] <= budget_bytes:
-                return k
-        return min(range(len(peaks)), key=peaks.__getitem__)
+        """Index of the first level whose predicted peak fits (the lowest-peak one if none).
 
-
-_NON_POLYNOMIAL = (sympy.Piecewise, sympy.Min, sympy.floor, sympy.Mod)
-
-
-def _lowers_somewhere(new: sympy.Expr, old: sympy.Expr, dom: ShapeDomain, symbolic: bool,
-                      tally: collections.Counter[str]) -> bool:
-    """Whether peak ``new`` is below ``old`` somewhere in the domain.
-
-    Polynomials and maxima of polynomials are compared symbolically. Peaks with
-    piecewise steps (output-buffer reuse) would make sympy expand huge
-    differences, so those are compared numerically at the domain's sample
-    points (corners included) and counted as ``fallback``.
-    """
-    if symbolic and not (new.has(*_NON_POLYNOMIAL) or old.has(*_NON_POLYNOMIAL)):
-        c = compare(new, old, dom, symbolic=True)
-        tally[c.decided_by] += 1
-        return c.result not in (Cmp.GE, Cmp.GT, Cmp.EQ)
-    tally["fallback"] += 1
-    syms = [sym(n) for n in dom.symbols]
-    f_new, f_old = compile_expr(syms, new), compile_expr(syms, old)
-    return any(f_new(*[p[n] for n in dom.symbols]) < f_old(*[p[n] for n in dom.symbols])
-               for p in dom.sample_points())
+        The predictions-only form of :func:`~jaxmem.plan.select.select_level`.
+        """
+        selection = select_level(self, dims, budget_bytes)
+        if selection.level is not None:
+            return selection.level
+        smallest = selection.smallest
+        return 0 if smallest is None else smallest.level
 
 
 def _corner(dom: ShapeDomain) -> dict[sympy.Symbol, int]:
-    return {sym(n): (hi if hi is not None else max(lo, 1024))
-            for n, lo, hi in zip(dom.symbols, dom.lower, dom.upper, strict=True)}
+    return {sym(n): v for n, v in dom.corner().items()}
 
 
 def _efficiency(graph: Graph, chosen: list[Residual], group: list[Residual],
@@ -246,59 +220,93 @@ def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
         A :class:`PlanSet`.
     """
     costs = costs or costs_for("gpu")
-    tally: collections.Counter[str] = collections.Counter()
     residuals = find_residuals(graph)
     groups: dict[str, list[Residual]] = {}
     for r in residuals:
         groups.setdefault(r.group, []).append(r)
     base = memory_model(graph, dom, donated=donated, symbolic=symbolic)
-    levels = [Level((), (), graph, base)]
-    chosen: list[Residual] = []
-    moved: tuple[Residual, ...] = ()
-    names: list[str] = []
-    moved_names: tuple[str, ...] = ()
+    search = _Greedy(graph, dom, residuals, base, costs, symbolic=symbolic, donated=donated,
+                     offload=offload)
     remaining = dict(groups)
-    corner = _corner(dom)
-    order: list[str] = []
-    small: list[Residual] = []
-    small_names: list[str] = []
-    min_bytes = _MIN_GROUP_FRACTION * levels[0].peak_fn({str(k): v for k, v in corner.items()})
     # Greedy: the group that frees most bytes per second of extra work, given what
     # is already recomputed or offloaded; kept only if it lowers the symbolic peak
     # somewhere.
-    while remaining and len(levels) <= max_levels:
-        scores = {n: _efficiency(graph, chosen, list(rs), corner, costs, residuals, min_bytes,
-                                 offload, moved) for n, rs in remaining.items()}
+    while remaining and len(search.levels) <= max_levels:
+        picked = search.pick(remaining)
+        if picked is not None:
+            search.accept(*picked)
+    search.order.extend(sorted(remaining))
+    for k, v in base.comparisons:
+        search.tally[k] += v
+    return PlanSet(dom, tuple((n, tuple(groups[n])) for n in search.order), tuple(search.levels),
+                   tuple(sorted(search.tally.items())))
+
+
+class _Greedy:
+    """The state of :func:`plan_levels`' greedy search: what its levels have taken so far.
+
+    Each round :meth:`pick` takes the next group off the remaining ones and
+    :meth:`accept` turns it into a level if that lowers the peak.
+    """
+
+    def __init__(self, graph: Graph, dom: ShapeDomain, residuals: Sequence[Residual],
+                 base: MemoryModel, costs: Costs, *, symbolic: bool, donated: tuple[int, ...],
+                 offload: bool) -> None:
+        self.graph, self.dom, self.residuals, self.costs = graph, dom, residuals, costs
+        self.symbolic, self.donated, self.offload = symbolic, donated, offload
+        self.tally: collections.Counter[str] = collections.Counter()
+        self.levels = [Level((), (), graph, base)]
+        self.chosen: list[Residual] = []
+        self.moved: tuple[Residual, ...] = ()
+        self.names: list[str] = []
+        self.moved_names: tuple[str, ...] = ()
+        self.order: list[str] = []  # groups in the order the search took them
+        # Groups too small for a level of their own join the next level that is kept.
+        self.small: list[Residual] = []
+        self.small_names: list[str] = []
+        self.corner = _corner(dom)
+        self.min_bytes = _MIN_GROUP_FRACTION * self.levels[0].peak_fn(
+            {str(k): v for k, v in self.corner.items()})
+
+    def pick(self, remaining: dict[str, list[Residual]]
+             ) -> tuple[str, list[Residual], str] | None:
+        """Takes the best-scoring group off ``remaining``, sweeping the small ones aside.
+
+        Returns:
+            ``(name, group, "recompute" | "offload")``, or None when no group is
+            left or the best one frees nothing.
+        """
+        scores = {n: _efficiency(self.graph, self.chosen, list(rs), self.corner, self.costs,
+                                 self.residuals, self.min_bytes, self.offload, self.moved)
+                  for n, rs in remaining.items()}
         for n in sorted(remaining):
             if (scores[n][0] <= 0.0
-                    and _efficiency(graph, chosen, list(remaining[n]), corner, costs,
-                                    residuals)[0] > 0):
-                small.extend(remaining.pop(n))  # too small for a level: rides along
-                small_names.append(n)
-                order.append(n)
+                    and _efficiency(self.graph, self.chosen, list(remaining[n]), self.corner,
+                                    self.costs, self.residuals)[0] > 0):
+                self.small.extend(remaining.pop(n))  # too small for a level: rides along
+                self.small_names.append(n)
+                self.order.append(n)
         if not remaining:
-            break
+            return None
         name = max(sorted(remaining), key=lambda n: scores[n][0])
         group = remaining.pop(name)
-        order.append(name)
+        self.order.append(name)
         score, how = scores[name]
-        if score <= 0.0:
-            continue
-        trial = chosen + small + (list(group) if how == "recompute" else [])
-        trial_moved = moved + (tuple(group) if how == "offload" else ())
-        g2 = apply_remat(graph, trial, trial_moved, residuals)
-        m = memory_model(g2, dom, donated=donated, symbolic=symbolic)
-        if not _lowers_somewhere(m.peak_bytes, levels[-1].memory.peak_bytes, dom, symbolic,
-                                 tally):
-            continue  # never lowers the peak: it would only cost time
-        chosen, moved = trial, trial_moved
-        names = names + ([name] if how == "recompute" else []) + small_names
-        moved_names = moved_names + ((name,) if how == "offload" else ())
-        small, small_names = [], []
-        flops = sympy.Add(*[r.recompute_flops for r in chosen])
-        levels.append(Level(tuple(names), tuple(chosen), g2, m, flops, moved_names, moved))
-    order.extend(sorted(remaining))
-    for k, v in base.comparisons:
-        tally[k] += v
-    return PlanSet(dom, tuple((n, tuple(groups[n])) for n in order), tuple(levels),
-                   tuple(sorted(tally.items())))
+        return None if score <= 0.0 else (name, group, how)
+
+    def accept(self, name: str, group: list[Residual], how: str) -> None:
+        """Adds a level with ``group`` (and the small groups waiting) if it lowers the peak."""
+        trial = self.chosen + self.small + (list(group) if how == "recompute" else [])
+        trial_moved = self.moved + (tuple(group) if how == "offload" else ())
+        g2 = apply_remat(self.graph, trial, trial_moved, self.residuals)
+        m = memory_model(g2, self.dom, donated=self.donated, symbolic=self.symbolic)
+        if not lowers_somewhere(m.peak_bytes, self.levels[-1].memory.peak_bytes, self.dom,
+                                self.symbolic, self.tally):
+            return  # never lowers the peak: it would only cost time
+        self.chosen, self.moved = trial, trial_moved
+        self.names = self.names + ([name] if how == "recompute" else []) + self.small_names
+        self.moved_names = self.moved_names + ((name,) if how == "offload" else ())
+        self.small, self.small_names = [], []
+        flops = sympy.Add(*[r.recompute_flops for r in self.chosen])
+        self.levels.append(Level(tuple(self.names), tuple(self.chosen), g2, m, flops,
+                                 self.moved_names, self.moved))

@@ -1,11 +1,17 @@
-"""Dispatch: from argument specs to an analysis once, from concrete arguments to dims per call.
+"""The analysis of a call: stages trace → graph → symbolic → memory → plan, once per structure.
+
+:func:`analyze_specs` reads the argument specs (with the ``polymorphic_shapes``
+and constraints of ``jaxmem.jit``), traces the function with symbolic dims,
+builds its graph, shape domain and plan set, and asks the scheduler for each
+level's op order. The result, an :class:`Analysis`, is budget-independent: one
+per (argument structure, dtypes, static args), shared by every shape and budget.
 
 Example:
-    >>> import jax, jax.numpy as jnp
+    >>> import jax.numpy as jnp
     >>> a = analyze_specs(lambda x: x * 2, (), (jnp.ones((4, 3)),), (), ("b, 3",), ("b <= 8",),
     ...                   None, (), True)
-    >>> bind_dims(a, (jnp.ones((5, 3)),))
-    {'b': 5}
+    >>> a.domain.symbols, len(a.plans.levels)
+    (('b',), 1)
 """
 
 from __future__ import annotations
@@ -16,14 +22,13 @@ from typing import Any
 
 import jax
 import numpy as np
-import sympy
 
-from jaxmem._errors import JaxmemError, ShapeOutOfRangeError
+from jaxmem.errors import ShapeOutOfRangeError
 from jaxmem.graph import Graph, build_graph
-from jaxmem.plan.offload import costs_for, offload_supported
-from jaxmem.plan.planner import PlanSet, plan_levels
+from jaxmem.plan.levels import PlanSet, plan_levels
+from jaxmem.plan.offload import Costs, costs_for, offload_supported
 from jaxmem.schedulers import ScheduleGraph, Scheduler, validate_order
-from jaxmem.symbolic import ShapeDomain, sym, to_sympy
+from jaxmem.symbolic import ShapeDomain
 from jaxmem.trace import Traced, trace
 
 
@@ -87,34 +92,18 @@ def analyze_specs(fun: Callable[..., Any], static: tuple[Any, ...], dynamic: tup
                   static_argnums: Sequence[int], polymorphic_shapes: Any,
                   constraints: Sequence[str], scheduler: Scheduler | None,
                   donate_argnums: Sequence[int], symbolic: bool,
-                  offload: bool | None = None) -> Analysis:
+                  offload: bool | None = None, costs: Costs | None = None) -> Analysis:
     """Traces ``fun`` symbolically and derives its plans (once per structure).
 
-    ``offload`` None plans host offload where the default backend supports it.
+    ``offload`` None plans host offload where the default backend supports it;
+    ``costs`` are the device rates that weigh recomputation against transfers
+    (default: :func:`~jaxmem.plan.offload.costs_for` the default backend).
     """
     n_args = len(static) + len(dynamic)
-    poly = _spec_for(polymorphic_shapes, static_argnums, n_args)
     leaves_with_path = jax.tree_util.tree_flatten_with_path(dynamic)[0]
-    for path, leaf in leaves_with_path:
-        if not _is_arraylike(leaf):
-            raise ShapeOutOfRangeError(
-                f"argument args{jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an "
-                "array; pass arrays, Python scalars or jax.ShapeDtypeStruct (or mark it in "
-                "static_argnums)")
-    examples = jax.tree_util.tree_map(_as_struct, dynamic)
-    try:
-        specs = jax.export.symbolic_args_specs(examples, poly, constraints=tuple(constraints))
-    except Exception as e:  # jax's shape_poly parse errors are plain subclasses of Exception
-        raise ShapeOutOfRangeError(f"cannot use polymorphic_shapes {polymorphic_shapes!r} with "
-                                   f"constraints {tuple(constraints)!r} on these arguments: "
-                                   f"{e}") from e
-    spec_leaves = jax.tree_util.tree_leaves(specs)
-    for (path, leaf), spec in zip(leaves_with_path, spec_leaves, strict=True):
-        shape = tuple(getattr(leaf, "shape", ()))
-        if len(spec.shape) != len(shape):
-            raise ShapeOutOfRangeError(
-                f"args{jax.tree_util.keystr(path)} has rank {len(shape)} (shape {shape}), but "
-                f"polymorphic_shapes declares {_fmt(spec.shape)} of rank {len(spec.shape)}")
+    specs = _symbolic_specs(dynamic, leaves_with_path,
+                            _spec_for(polymorphic_shapes, static_argnums, n_args),
+                            polymorphic_shapes, constraints)
 
     def flat_fn(*dyn: Any) -> Any:
         return fun(*merge_args(static_argnums, static, dyn))
@@ -128,7 +117,7 @@ def analyze_specs(fun: Callable[..., Any], static: tuple[Any, ...], dynamic: tup
     backend = jax.default_backend()
     offload = offload_supported(backend) if offload is None else offload
     plans = plan_levels(graph, domain, symbolic=symbolic, donated=donated, offload=offload,
-                        costs=costs_for(backend))
+                        costs=costs or costs_for(backend))
     orders = tuple(validate_order(level.graph, scheduler.order(ScheduleGraph(level.graph, domain)))
                    if scheduler is not None else None for level in plans.levels)
     paths = tuple(f"args{jax.tree_util.keystr(p)}" for p, _ in leaves_with_path)
@@ -136,12 +125,39 @@ def analyze_specs(fun: Callable[..., Any], static: tuple[Any, ...], dynamic: tup
                     plans, orders, donated, donate_dynamic, offload)
 
 
+def _symbolic_specs(dynamic: tuple[Any, ...], leaves_with_path: Sequence[Any], poly: Any,
+                    polymorphic_shapes: Any, constraints: Sequence[str]) -> Any:
+    """``jax.export.symbolic_args_specs`` of the dynamic arguments, with errors naming them."""
+    for path, leaf in leaves_with_path:
+        if not _is_arraylike(leaf):
+            raise ShapeOutOfRangeError(
+                f"argument args{jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an "
+                "array; pass arrays, Python scalars or jax.ShapeDtypeStruct (or mark it in "
+                "static_argnums)")
+    examples = jax.tree_util.tree_map(as_struct, dynamic)
+    try:
+        specs = jax.export.symbolic_args_specs(examples, poly, constraints=tuple(constraints))
+    except Exception as e:  # jax's shape_poly parse errors are plain subclasses of Exception
+        raise ShapeOutOfRangeError(f"cannot use polymorphic_shapes {polymorphic_shapes!r} with "
+                                   f"constraints {tuple(constraints)!r} on these arguments: "
+                                   f"{e}") from e
+    spec_leaves = jax.tree_util.tree_leaves(specs)
+    for (path, leaf), spec in zip(leaves_with_path, spec_leaves, strict=True):
+        shape = tuple(getattr(leaf, "shape", ()))
+        if len(spec.shape) != len(shape):
+            raise ShapeOutOfRangeError(
+                f"args{jax.tree_util.keystr(path)} has rank {len(shape)} (shape {shape}), but "
+                f"polymorphic_shapes declares {format_shape(spec.shape)} of rank "
+                f"{len(spec.shape)}")
+    return specs
+
+
 def _is_arraylike(x: Any) -> bool:
     return (hasattr(x, "shape") and hasattr(x, "dtype")) or (
         isinstance(x, (int, float, complex, np.number)))
 
 
-def _as_struct(x: Any) -> Any:
+def as_struct(x: Any) -> Any:
     """Python scalars become weakly typed scalar specs, as ``jax.jit`` treats them."""
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return x
@@ -156,61 +172,6 @@ def _flat_indices(dynamic: Sequence[Any], positions: Sequence[int]) -> tuple[int
             out.extend(range(start, start + n))
         start += n
     return tuple(out)
-
-
-def bind_dims(analysis: Analysis, dynamic: Sequence[Any]) -> dict[str, int]:
-    """Reads the dim values from concrete arguments and checks them.
-
-    Raises:
-        ShapeOutOfRangeError: naming the argument, the dim, the value and the bound.
-    """
-    flat = jax.tree_util.tree_leaves(dynamic)
-    if len(flat) != len(analysis.flat_specs):
-        raise ShapeOutOfRangeError(f"expected {len(analysis.flat_specs)} array leaves, got "
-                                   f"{len(flat)}")
-    dims: dict[str, int] = {}
-    pending: list[tuple[str, int, Any, int]] = []
-    for path, spec, x in zip(analysis.paths, analysis.flat_specs, flat, strict=True):
-        shape = tuple(getattr(x, "shape", ()))
-        if len(shape) != len(spec.shape):
-            raise ShapeOutOfRangeError(f"{path} has rank {len(shape)} (shape {shape}), but its "
-                                       f"declared shape {_fmt(spec.shape)} has rank "
-                                       f"{len(spec.shape)}")
-        for axis, (d, v) in enumerate(zip(spec.shape, shape, strict=True)):
-            if isinstance(d, (int, np.integer)):
-                if int(d) != v:
-                    raise ShapeOutOfRangeError(f"{path} axis {axis} is {v}, but the declared "
-                                               f"shape {_fmt(spec.shape)} fixes it to {d}")
-                continue
-            name = str(d)
-            if name.isidentifier():
-                if name in dims and dims[name] != v:
-                    raise ShapeOutOfRangeError(
-                        f"dimension {name} is {dims[name]} in one argument but {v} in {path} "
-                        f"axis {axis}")
-                dims[name] = int(v)
-            else:
-                pending.append((path, axis, d, int(v)))
-    for path, axis, d, v in pending:
-        expr = to_sympy(d)
-        unknown = [s for s in expr.free_symbols if str(s) not in dims]
-        if len(unknown) == 1:
-            sol = [r for r in sympy.solve(sympy.Eq(expr, v), unknown[0]) if r.is_integer]
-            if not sol:
-                raise ShapeOutOfRangeError(f"{path} axis {axis} is {v}, which no integer value of "
-                                           f"{unknown[0]} makes equal to {d}")
-            dims[str(unknown[0])] = int(sol[0])
-        got = int(expr.subs({sym(k): val for k, val in dims.items()}))
-        if got != v:
-            raise ShapeOutOfRangeError(f"{path} axis {axis} is {v}, but its declared dim {d} is "
-                                       f"{got} at {dims}")
-    missing = [s for s in analysis.domain.symbols if s not in dims]
-    if missing:
-        raise JaxmemError(f"dims {missing} could not be read from the argument shapes")
-    problem = analysis.domain.contains(dims)
-    if problem:
-        raise ShapeOutOfRangeError(problem)
-    return dims
 
 
 def local_dims(analysis: Analysis, dims: dict[str, int],
@@ -247,10 +208,12 @@ def local_dims(analysis: Analysis, dims: dict[str, int],
     return out
 
 
+
 def arg_shardings(dynamic: Sequence[Any]) -> list[Any]:
     """The sharding each flat dynamic argument already has (None for host values)."""
     return [getattr(x, "sharding", None) for x in jax.tree_util.tree_leaves(dynamic)]
 
 
-def _fmt(shape: Sequence[Any]) -> str:
+
+def format_shape(shape: Sequence[Any]) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ")"

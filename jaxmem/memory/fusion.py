@@ -6,7 +6,7 @@ every consumer that can fuse them; expensive ones read twice, and anything an op
 needs in memory, are materialised). :func:`transposed_copies` and
 :func:`epilogue_broadcasts` add the buffers XLA's CPU backend creates that no
 jaxpr value names: transposed dot operands and broadcast operands of a dot's
-fused epilogue. :mod:`jaxmem.memory` turns these into live ranges.
+fused epilogue. :mod:`jaxmem.memory.liveness` turns these into live ranges.
 
 Example:
     >>> import jax, jax.numpy as jnp

@@ -1,20 +1,21 @@
-"""The symbolic memory model: buffers, live ranges and the peak, over all shapes at once.
+"""The symbolic memory model: the peak of a graph under one op order, over all shapes at once.
 
-XLA's accounting of an executable is ``argument + output - alias + temp``. The
-first three are sums over the graph's inputs and outputs (a tuple of results
-adds XLA's table of pointers); ``temp`` is the most temporary memory live at any
-program point. :func:`liveness` takes which values XLA materialises, and the
-buffers it adds, from :mod:`jaxmem.fusion`, and decides when each buffer is born
-and dies under a given op order. :func:`memory_model` sums the live buffers per
-program point and keeps the points that can be the maximum somewhere in the
+XLA's accounting of an executable is ``argument + output - alias + temp``; this
+module decides each term. The first three are sums over the graph's inputs and
+outputs (a tuple of results adds XLA's table of pointers; ``alias`` is the
+outputs that live in donated arguments); ``temp`` is the most temporary memory
+live at any program point. Which buffers exist, and when each is live, comes
+from :func:`jaxmem.memory.liveness.liveness` (which values XLA materialises
+from :mod:`jaxmem.memory.fusion`). :func:`memory_model` sums the live buffers
+per program point and keeps the points that can be the maximum somewhere in the
 domain: first by coefficient dominance, then by the comparisons of
 :mod:`jaxmem.symbolic`. Without output reuse the peak is a ``sympy.Max`` of
 polynomials over those points; with it (the default, as XLA does) temporaries
-may sit in output buffers not written yet (:mod:`jaxmem.reuse`) and the peak is
-a ``Max`` of piecewise polynomials.
+may sit in output buffers not written yet (:mod:`jaxmem.memory.reuse`) and the
+peak is a ``Max`` of piecewise polynomials.
 
 Accuracy against XLA's CPU peak (``python -m bench.accuracy``, 20 shapes of an
-MLP, a GPT and a Llama train step): median error 1.6 %, worst 7.5 %.
+MLP, a GPT and a Llama train step): median error 2.0 %, worst 6.5 %.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -37,38 +38,14 @@ from collections.abc import Sequence
 
 import sympy
 
-from jaxmem.fusion import epilogue_broadcasts, materialised, transposed_copies
 from jaxmem.graph import Graph
-from jaxmem.reuse import reuse_peak
+from jaxmem.memory.liveness import Buffer, liveness
+from jaxmem.memory.reuse import reuse_peak
 from jaxmem.symbolic import Cmp, ShapeDomain, compare
-
-_materialised = materialised  # the name jaxmem.plan imports
 
 POINTER_BYTES = 8  # one entry of a tuple's table of buffer pointers (64-bit hosts)
 
 LinExpr = dict[sympy.Expr, sympy.Expr]  # monomial -> coefficient; all monomials are >= 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Buffer:
-    """A buffer XLA would allocate for one materialised value.
-
-    Attributes:
-        value: the value id whose bytes it holds.
-        nbytes: symbolic size.
-        start: order position of the node that writes it (-1 for arguments).
-        end: last order position that reads it (``len(order)`` for outputs).
-        kind: ``argument``, ``output`` or ``temp``.
-        note: why a buffer exists that no jaxpr value names (``"transposed copy"``
-            of a dot operand XLA must transpose); empty otherwise.
-    """
-
-    value: int
-    nbytes: sympy.Expr
-    start: int
-    end: int
-    kind: str
-    note: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +67,7 @@ class MemoryModel:
             output buffer before the output is written: a ``Max`` of polynomials,
             an upper bound of ``temp_bytes`` (equal when ``reuse_outputs=False``).
         reuse_outputs: whether ``temp_bytes`` counts temporaries stored in
-            not-yet-written output buffers (see :mod:`jaxmem.reuse`).
+            not-yet-written output buffers (see :mod:`jaxmem.memory.reuse`).
     """
 
     buffers: tuple[Buffer, ...]
@@ -109,105 +86,6 @@ class MemoryModel:
     def timeline(self) -> tuple[sympy.Expr, ...]:
         """Temporary bytes live at each order position, as sympy expressions."""
         return tuple(_to_expr(dict(p)) for p in self.points)
-
-
-def liveness(graph: Graph, order: Sequence[int] | None = None,
-             donated: Sequence[int] = ()) -> tuple[Buffer, ...]:
-    """Buffers and their live ranges when the graph runs in ``order``.
-
-    Args:
-        graph: the graph.
-        order: a permutation of node indices (program order when None).
-        donated: indices into ``graph.inputs`` whose buffers outputs may reuse.
-
-    Returns:
-        One :class:`Buffer` per materialised value.
-    """
-    order = list(range(len(graph.nodes))) if order is None else list(order)
-    pos = {n: p for p, n in enumerate(order)}
-    owner = materialised(graph)
-    nodes = graph.nodes
-    producers = graph.producers
-
-    # Fused values read their sources' buffers wherever they are consumed.
-    sources: dict[int, frozenset[int]] = {}
-
-    def srcs(v: int) -> frozenset[int]:
-        if v in sources:
-            return sources[v]
-        o = owner.get(v, v)
-        if o != -1:
-            res = frozenset([o])
-        else:
-            n = nodes[producers[v]]
-            res = frozenset().union(*[srcs(i) for i in n.inputs]) if n.inputs else frozenset()
-        sources[v] = res
-        return res
-
-    end = len(order)
-    last_use: dict[int, int] = {}
-    first_def: dict[int, int] = {}
-    for p, ni in enumerate(order):
-        n = nodes[ni]
-        for i in n.inputs:
-            for s in srcs(i):
-                last_use[s] = max(last_use.get(s, -1), p)
-        for o in n.outputs:
-            if owner.get(o) == o:
-                first_def.setdefault(o, p)
-    outputs = {owner.get(v, v) for v in graph.outputs if owner.get(v, v) != -1}
-    for v in graph.outputs:  # an output that stayed fused is materialised as the output
-        if owner.get(v) == -1:
-            outputs.add(v)
-            first_def.setdefault(v, pos[producers[v]])
-    inputs = set(graph.inputs)
-    donated_ids = {graph.inputs[i] for i in donated}
-
-    # Elementwise fusions and in-place ops write into an operand that dies there
-    # (XLA's buffer sharing). An output written that way owns the operand's buffer
-    # from the operand's birth: walking backwards propagates that along chains.
-    reuse_end: dict[int, int] = {}
-    in_output: set[int] = set()
-    for p in range(len(order) - 1, -1, -1):
-        n = nodes[order[p]]
-        if n.kind not in ("elementwise", "inplace"):
-            continue
-        for o in n.outputs:
-            if owner.get(o) != o or o in reuse_end:
-                continue
-            operands = list(dict.fromkeys(s for i in n.inputs for s in srcs(i)))
-            cands = [i for i in operands
-                     if owner.get(i, i) == i and i not in inputs and last_use.get(i) == p
-                     and graph.values[i].nbytes == graph.values[o].nbytes
-                     and i not in reuse_end and i not in outputs]
-            if n.kind == "inplace" and n.inputs:
-                first = srcs(n.inputs[0])
-                cands = [c for c in cands if c in first][:1]
-            if not cands:
-                continue
-            if o in outputs or o in in_output:
-                in_output.add(cands[0])
-            reuse_end[cands[0]] = p - 1
-
-    buffers = []
-    for v in graph.values:
-        vid = v.id
-        if vid in inputs:
-            buffers.append(Buffer(vid, v.nbytes, -1, end, "argument"))
-            if vid in outputs:  # returned as is: XLA copies it into an output buffer
-                buffers.append(Buffer(vid, v.nbytes, end, end, "output", "copied argument"))
-        elif vid in outputs:
-            buffers.append(Buffer(vid, v.nbytes, first_def.get(vid, end), end, "output"))
-        elif owner.get(vid) == vid and vid in first_def and vid not in in_output:
-            start = first_def[vid]
-            stop = reuse_end.get(vid, last_use.get(vid, start))
-            buffers.append(Buffer(vid, v.nbytes, start, max(stop, start), "temp"))
-        del vid
-    _ = donated_ids
-    for x in (*transposed_copies(graph, order, owner),
-              *epilogue_broadcasts(graph, order, owner, first_def)):
-        buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
-    return tuple(buffers)
 
 
 def _lin(e: sympy.Expr) -> LinExpr:
@@ -238,20 +116,6 @@ def _inner_temp(graph: Graph, dom: ShapeDomain, symbolic: bool) -> sympy.Expr:
     return m.temp_bytes
 
 
-def _alias_bytes(graph: Graph, donated: Sequence[int]) -> sympy.Expr:
-    free = collections.Counter()
-    for i in donated:
-        v = graph.values[graph.inputs[i]]
-        free[(v.shape, v.dtype)] += 1
-    total = sympy.Integer(0)
-    for vid in dict.fromkeys(graph.outputs):
-        v = graph.values[vid]
-        if free[(v.shape, v.dtype)] > 0:
-            free[(v.shape, v.dtype)] -= 1
-            total += v.nbytes
-    return total
-
-
 def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = None,
                  donated: Sequence[int] = (), symbolic: bool = True,
                  reuse_outputs: bool = True) -> MemoryModel:
@@ -275,17 +139,52 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
     buffers = liveness(graph, order, donated)
     n = len(order)
     tally: collections.Counter[str] = collections.Counter()
-    deltas: list[list[tuple[Buffer, int]]] = [[] for _ in range(n + 2)]
-    for buf in buffers:
-        if buf.kind == "temp":
-            deltas[buf.start].append((buf, 1))
-            deltas[buf.end + 1].append((buf, -1))
+    extra = _subgraph_temps(graph, order, dom, symbolic)
+    points = _live_points(buffers, extra, n)
+    candidates = _frontier(points, dom, tally, symbolic)
+    temp = _max([_to_expr(points[p]) for p in candidates])
+    upper = temp
+    aliased = _aliased_outputs(graph, donated)
+    if reuse_outputs:
+        temps = [(b.nbytes, b.start, b.end) for b in buffers if b.kind == "temp"]
+        outs_free = [(b.nbytes, b.start) for b in buffers
+                     if b.kind == "output" and b.value not in aliased and b.start >= 0]
+        temp, candidates = reuse_peak(temps, outs_free, extra, n, dom, tally, symbolic)
+    args = sympy.Add(*[b.nbytes for b in buffers if b.kind == "argument"])
+    outs = sympy.Add(*[b.nbytes for b in buffers if b.kind == "output"])
+    if len(graph.outputs) > 1:
+        # Several results are returned as a tuple: XLA's output also holds its table
+        # of 8-byte pointers.
+        outs += POINTER_BYTES * len(graph.outputs)
+    alias = sympy.Add(*[graph.values[v].nbytes for v in aliased])
+    return MemoryModel(buffers, args, outs, alias, temp, args + outs - alias + temp,
+                       tuple(tuple(p.items()) for p in points), tuple(candidates),
+                       tuple(sorted(tally.items())), upper, reuse_outputs)
+
+
+def _subgraph_temps(graph: Graph, order: Sequence[int], dom: ShapeDomain,
+                    symbolic: bool) -> dict[int, sympy.Expr]:
+    """Temporary bytes of the control-flow bodies, at the order position of their op.
+
+    An op with several bodies (``cond`` branches) needs the largest (a ``Max``).
+    """
     extra: dict[int, sympy.Expr] = {}
     for p, ni in enumerate(order):
         node = graph.nodes[ni]
         if node.subgraphs:
             inner = [_inner_temp(g, dom, symbolic) for g in node.subgraphs]
             extra[p] = sympy.Max(*inner) if len(inner) > 1 else inner[0]
+    return extra
+
+
+def _live_points(buffers: Sequence[Buffer], extra: dict[int, sympy.Expr], n: int
+                 ) -> list[LinExpr]:
+    """Temporary bytes live at each of the ``n`` order positions (bodies' bytes included)."""
+    deltas: list[list[tuple[Buffer, int]]] = [[] for _ in range(n + 2)]
+    for buf in buffers:
+        if buf.kind == "temp":
+            deltas[buf.start].append((buf, 1))
+            deltas[buf.end + 1].append((buf, -1))
     live: LinExpr = {}
     points: list[LinExpr] = []
     for p in range(n):
@@ -297,29 +196,15 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
             for m, c in _lin(extra[p]).items():
                 point[m] = point.get(m, 0) + c
         points.append({m: c for m, c in point.items() if c != 0})
-    candidates = _frontier(points, dom, tally, symbolic)
-    temp = _max([_to_expr(points[p]) for p in candidates])
-    upper = temp
-    if reuse_outputs:
-        aliased = _aliased_outputs(graph, donated)
-        temps = [(b.nbytes, b.start, b.end) for b in buffers if b.kind == "temp"]
-        outs_free = [(b.nbytes, b.start) for b in buffers
-                     if b.kind == "output" and b.value not in aliased and b.start >= 0]
-        temp, candidates = reuse_peak(temps, outs_free, extra, n, dom, tally, symbolic)
-    args = sympy.Add(*[b.nbytes for b in buffers if b.kind == "argument"])
-    outs = sympy.Add(*[b.nbytes for b in buffers if b.kind == "output"])
-    if len(graph.outputs) > 1:
-        # Several results are returned as a tuple: XLA's output also holds its table
-        # of 8-byte pointers.
-        outs += POINTER_BYTES * len(graph.outputs)
-    alias = _alias_bytes(graph, donated)
-    return MemoryModel(buffers, args, outs, alias, temp, args + outs - alias + temp,
-                       tuple(tuple(p.items()) for p in points), tuple(candidates),
-                       tuple(sorted(tally.items())), upper, reuse_outputs)
+    return points
 
 
 def _aliased_outputs(graph: Graph, donated: Sequence[int]) -> set[int]:
-    """Output value ids that live in a donated argument's buffer (see ``_alias_bytes``)."""
+    """Output value ids that live in a donated argument's buffer.
+
+    Each donated argument takes the first output of its shape and dtype that no
+    other donated argument took (XLA's input-output aliasing of donated buffers).
+    """
     free = collections.Counter()
     for i in donated:
         v = graph.values[graph.inputs[i]]

@@ -1,0 +1,393 @@
+"""``jaxmem.jit``: a drop-in for ``jax.jit`` that plans memory for every shape it meets.
+
+The function is traced once with symbolic dims and its levels are derived once
+(:mod:`jaxmem.plan.analysis`). At a call, jaxmem binds the dims from the argument
+shapes (:mod:`jaxmem.dispatch.bind`), lets :func:`jaxmem.plan.select.select_level`
+pick the fastest level that fits the budget, with XLA compiling each candidate
+(:func:`jaxmem.lower.lower_level`) as the oracle, and caches the executable: a
+seen shape never recompiles and takes the fast path
+(:mod:`jaxmem.dispatch.fastpath`). If no plan fits,
+:class:`~jaxmem.BudgetInfeasibleError` says what the best one needs.
+
+Example:
+    >>> import jax, jax.numpy as jnp, jaxmem
+    >>> def step(w, x):
+    ...     return jax.grad(lambda w: jnp.tanh(x @ w).sum())(w)
+    >>> f = jaxmem.jit(step, polymorphic_shapes=(None, "b, 8"), constraints=("b <= 64",))
+    >>> f(jnp.ones((8, 8)), jnp.ones((4, 8))).shape
+    (8, 8)
+    >>> f.cache_info()
+    CacheInfo(analyses=1, plans=1, executables=1)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+
+from jaxmem.dispatch.bind import bind_dims
+from jaxmem.dispatch.cache import OnceCache
+from jaxmem.dispatch.checks import (
+    call_key,
+    check_argnums,
+    check_budget,
+    check_choices,
+    check_constraints,
+    check_shapes,
+    consumed,
+    is_resource_exhausted,
+    split_args,
+)
+from jaxmem.dispatch.fastpath import key_reader
+from jaxmem.dispatch.plan import Plan, infeasible, make_plan
+from jaxmem.errors import BudgetInfeasibleError, JaxmemError
+from jaxmem.lower import CompileOptions, Executable, lower_level
+from jaxmem.plan.analysis import Analysis, analyze_specs, arg_shardings, local_dims
+from jaxmem.plan.levels import PlanSet
+from jaxmem.plan.offload import Costs
+from jaxmem.plan.select import MicrobatchFn, select_level
+from jaxmem.schedulers import MemoryAware, Scheduler
+
+#: On a run-time out-of-memory error jaxmem re-plans with the failed plan's XLA peak
+#: times this factor as the budget and retries the call once.
+RETRY_BUDGET_FACTOR = 0.9
+
+
+class CacheInfo(NamedTuple):
+    """What a :class:`Jitted` holds: analyses (one per argument structure), plans (one per
+    call shape) and distinct compiled executables."""
+
+    analyses: int
+    plans: int
+    executables: int
+
+
+class Jitted:
+    """A function planned and compiled by jaxmem. Call it like the ``jax.jit`` result.
+
+    Attributes:
+        budget_bytes: the memory budget (per device), or None.
+        scheduler: the scheduling strategy.
+        retries: how many calls ran out of device memory (XLA ``RESOURCE_EXHAUSTED``)
+            and were re-planned at 0.9 x the failed plan's peak and run again.
+    """
+
+    def __init__(self, fun: Callable[..., Any], *, polymorphic_shapes: Any = None,
+                 constraints: Sequence[str] = (), budget_bytes: int | None = None,
+                 scheduler: Scheduler | None = None, donate_argnums: int | Iterable[int] = (),
+                 static_argnums: int | Iterable[int] = (), in_shardings: Any = None,
+                 out_shardings: Any = None, symbolic: bool = True,
+                 offload: bool | None = None, offload_costs: Costs | None = None):
+        if not callable(fun):
+            raise TypeError(f"jaxmem.jit expects a callable, got {type(fun).__name__}")
+        check_choices(scheduler, offload, offload_costs)
+        self._settings = dict(
+            polymorphic_shapes=polymorphic_shapes, constraints=constraints, scheduler=scheduler,
+            donate_argnums=donate_argnums, static_argnums=static_argnums,
+            in_shardings=in_shardings, out_shardings=out_shardings, symbolic=symbolic,
+            offload=offload, offload_costs=offload_costs)
+        self.fun = fun
+        self.polymorphic_shapes = check_shapes(polymorphic_shapes)
+        self.constraints = check_constraints(constraints)
+        self.budget_bytes = check_budget(budget_bytes)
+        self.scheduler = scheduler if scheduler is not None else MemoryAware()
+        self.donate_argnums = check_argnums("donate_argnums", donate_argnums)
+        self.static_argnums = check_argnums("static_argnums", static_argnums)
+        self.in_shardings = in_shardings
+        self.out_shardings = out_shardings
+        self.symbolic = symbolic
+        self.offload = offload
+        self.offload_costs = offload_costs
+        self._analyses: OnceCache[Analysis] = OnceCache()
+        self._plans: OnceCache[Plan] = OnceCache()
+        self._lock = threading.RLock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # Call fast path: plans keyed by the shapes of the symbolic leaves alone, read
+        # with accessors built from the first analysis. The compiled executable itself
+        # rejects anything else that differs (TypeError), which sends the call down the
+        # validating slow path.
+        self._read_key: Callable[[tuple[Any, ...]], Any] | None = None
+        self._read_analysis: Analysis | None = None
+        self._fast: dict[Any, tuple[Callable[..., Any], Plan]] = {}
+        self.retries = 0
+        functools.update_wrapper(self, fun)
+
+    def __repr__(self) -> str:
+        name = getattr(self.fun, "__name__", repr(self.fun))
+        return (f"jaxmem.jit({name}, polymorphic_shapes={self.polymorphic_shapes!r}, "
+                f"budget_bytes={self.budget_bytes}, scheduler={self.scheduler!r})")
+
+    # --- public hooks ---------------------------------------------------------------------
+
+    def analysis(self, *args: Any) -> Analysis:
+        """The symbolic analysis (trace, graph, domain, plan set, orders) for arguments
+        structured like ``args`` (arrays or ``jax.ShapeDtypeStruct``); derived once and
+        shared by every shape and budget. Nothing is compiled."""
+        static, dynamic = self._split(args)
+        return self._analysis(static, dynamic)
+
+    def plans(self, *args: Any) -> PlanSet:
+        """The levels derived (once, symbolically) for arguments structured like ``args``.
+
+        ``args`` may be arrays or ``jax.ShapeDtypeStruct``; nothing is compiled.
+        ``plans(...).describe(budget_bytes)`` prints each level's guard.
+        """
+        return self.analysis(*args).plans
+
+    def compile_level(self, level: int, *args: Any, microbatches: int = 1,
+                      apply_order: bool = True) -> Plan:
+        """Compiles level ``level`` at the shapes of ``args``, whatever the budget says.
+
+        Not cached and not checked against the budget: for benchmarks and tests
+        that measure every level (``Plan.peak_bytes`` is XLA's figure).
+        """
+        static, dynamic = self._split(args)
+        analysis = self._analysis(static, dynamic)
+        if not 0 <= level < len(analysis.plans.levels):
+            raise ValueError(f"level must be in [0, {len(analysis.plans.levels)}), got {level}")
+        dims = bind_dims(analysis, dynamic)
+        axis = getattr(self.scheduler, "axis", "b")
+        exe = lower_level(analysis, level, dims, dynamic, self._options(analysis), apply_order,
+                          microbatches, axis)
+        return make_plan(analysis, exe, dims, self.budget_bytes, self.static_argnums,
+                         f"level {level} compiled on request (Jitted.compile_level)")
+
+    def with_budget(self, budget_bytes: int | None) -> Jitted:
+        """The same function under another budget, sharing this one's analyses (which do
+        not depend on the budget) but none of its plans or executables."""
+        other = Jitted(self.fun, budget_bytes=budget_bytes, **self._settings)
+        other._analyses = self._analyses
+        return other
+
+    def use_plan(self, plan: Plan, *args: Any) -> None:
+        """Makes calls shaped like ``args`` run ``plan`` (one from :meth:`compile_level`, or
+        one whose executable is wrapped, e.g. to inject a fault in a test)."""
+        static, dynamic = self._split(args)
+        key = self._key(static, dynamic)
+        with self._lock:
+            self._plans.put(key, plan)
+            self._fast.clear()
+
+    def cache_info(self) -> CacheInfo:
+        """How many analyses, plans and distinct executables this function holds."""
+        return CacheInfo(len(self._analyses), len(self._plans), self.compiles)
+
+    @property
+    def compiles(self) -> int:
+        """Number of distinct executables compiled so far."""
+        return len({id(p.compiled) for p in self._plans.values()})
+
+    # --- planning -------------------------------------------------------------------------
+
+    def _split(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        return split_args(args, self.static_argnums)
+
+    def _key(self, static: tuple[Any, ...], dynamic: tuple[Any, ...]) -> Any:
+        return call_key(static, dynamic)
+
+    def _analysis(self, static: tuple[Any, ...], dynamic: tuple[Any, ...]) -> Analysis:
+        flat, tree = jax.tree_util.tree_flatten(dynamic)
+        akey = (tree, static, tuple((len(getattr(x, "shape", ())), str(getattr(x, "dtype", "")))
+                                    for x in flat))
+        return self._analyses.get_or_make(akey, lambda: analyze_specs(
+            self.fun, static, dynamic, self.static_argnums, self.polymorphic_shapes,
+            self.constraints, self.scheduler, self.donate_argnums, self.symbolic, self.offload,
+            self.offload_costs))
+
+    def _options(self, analysis: Analysis) -> CompileOptions:
+        return CompileOptions(analysis.donate_dynamic, self.in_shardings, self.out_shardings)
+
+    def plan_for(self, *args: Any) -> Plan:
+        """The plan (and compiled executable) that a call with ``args`` runs.
+
+        Raises:
+            ShapeOutOfRangeError: arguments outside the declared ranks/ranges/constraints.
+            BudgetInfeasibleError: no plan fits the budget.
+        """
+        static, dynamic = self._split(args)
+        key = self._key(static, dynamic)
+        return self._plans.get_or_make(key, lambda: self._make_plan(static, dynamic))
+
+    def _make_plan(self, static: tuple[Any, ...], dynamic: tuple[Any, ...],
+                   budget: int | None = None, skip: frozenset[int] = frozenset()) -> Plan:
+        """Compiles the level :func:`select_level` chooses under ``budget`` (default: the
+        budget) and wraps it as a :class:`Plan`."""
+        budget = self.budget_bytes if budget is None else budget
+        analysis = self._analysis(static, dynamic)
+        dims = bind_dims(analysis, dynamic)
+        local = local_dims(analysis, dims, arg_shardings(dynamic))
+        made: dict[tuple[int, int], Executable] = {}
+
+        def compile(k: int, microbatches: int) -> int:
+            made[(k, microbatches)] = self._lower(analysis, k, dims, dynamic, microbatches)
+            return made[(k, microbatches)].peak_bytes
+
+        selection = select_level(analysis.plans, local, budget, compile, skip=skip,
+                                 microbatches=self._microbatch_hook(dims, budget))
+        if selection.level is None:
+            raise infeasible(analysis, selection, dims)
+        exe = made[(selection.level, selection.microbatches)]
+        return make_plan(analysis, exe, dims, budget, self.static_argnums, selection.why,
+                         selection)
+
+    def _lower(self, analysis: Analysis, k: int, dims: dict[str, int],
+               dynamic: tuple[Any, ...], microbatches: int) -> Executable:
+        """Level ``k`` compiled; a heuristic op order is kept only if XLA's peak is lower."""
+        axis = getattr(self.scheduler, "axis", "b")
+        options = self._options(analysis)
+        exe = lower_level(analysis, k, dims, dynamic, options, True, microbatches, axis)
+        if exe.order_enforced and getattr(self.scheduler, "verify_with_xla", False):
+            free = lower_level(analysis, k, dims, dynamic, options, False, microbatches, axis)
+            exe = exe if exe.peak_bytes < free.peak_bytes else free
+        return exe
+
+    def _microbatch_hook(self, dims: dict[str, int], budget: int | None) -> MicrobatchFn | None:
+        """The scheduler's ``microbatches`` hook at ``dims``, where it could split the batch."""
+        if budget is None or type(self.scheduler).microbatches is Scheduler.microbatches:
+            return None
+        if dims.get(getattr(self.scheduler, "axis", "b"), 1) <= 1:
+            return None
+        return lambda fits: self.scheduler.microbatches(dict(dims), fits)
+
+    # --- calls ----------------------------------------------------------------------------
+
+    def __call__(self, *args: Any) -> Any:
+        entry = None
+        if self._read_key is not None:
+            try:
+                entry = self._fast.get(self._read_key(args))
+            except Exception:  # another structure: the slow path explains or plans it
+                entry = None
+        if entry is not None:
+            call, plan = entry
+            try:
+                return call(*args)
+            except TypeError:
+                pass  # a fixed leaf differs; the slow path validates and explains
+            except jax.errors.JaxRuntimeError as e:
+                if not is_resource_exhausted(e):
+                    raise
+                return self._retry(plan, args, e)
+        plan = self.plan_for(*args)
+        try:
+            out = plan.run(*args)
+        except jax.errors.JaxRuntimeError as e:
+            if not is_resource_exhausted(e):
+                raise
+            return self._retry(plan, args, e)
+        self._remember(args, plan)
+        return out
+
+    def _remember(self, args: tuple[Any, ...], plan: Plan) -> None:
+        """Files ``plan`` in the fast table when ``args`` have the first analysis' structure.
+
+        Without static arguments the table holds the executable's C++ entry point,
+        which ``Compiled.__call__`` sets up on its first call, so a fast call runs no
+        Python frame of jaxmem's or of ``jax.stages`` beyond the key read.
+        """
+        static, dynamic = self._split(args)
+        analysis = self._analysis(static, dynamic)
+        if self._read_analysis is None:
+            self._read_analysis = analysis
+            self._read_key = key_reader(analysis, dynamic, self.static_argnums, len(args))
+        if analysis is not self._read_analysis or self._read_key is None:
+            return
+        call = getattr(plan.compiled, "_call", None) if not self.static_argnums else None
+        self._fast[self._read_key(args)] = (call or plan.run, plan)
+
+    def _retry(self, failed: Plan, args: tuple[Any, ...], err: Exception) -> Any:
+        """Re-plans below the failed plan's peak and runs the call once more.
+
+        A call that failed before it ran leaves donated inputs intact; if XLA had
+        already consumed one, the step cannot be repeated and jaxmem says so.
+        """
+        gone = consumed(args, self.donate_argnums)
+        if gone:
+            raise JaxmemError(
+                f"XLA ran out of memory (RESOURCE_EXHAUSTED) running plan level {failed.level} "
+                f"(XLA peak {failed.peak_bytes} bytes) and had already consumed the donated "
+                f"inputs {', '.join(gone)}, so the step cannot be retried") from err
+        budget = max(1, int(failed.peak_bytes * RETRY_BUDGET_FACTOR))
+        static, dynamic = self._split(args)
+        key = self._key(static, dynamic)
+        with self._lock:
+            try:
+                plan = self._make_plan(static, dynamic, budget, skip=frozenset({failed.level}))
+            except BudgetInfeasibleError as e2:
+                raise BudgetInfeasibleError(
+                    f"XLA ran out of memory (RESOURCE_EXHAUSTED) running plan level "
+                    f"{failed.level} (XLA peak {failed.peak_bytes} bytes), and no plan fits "
+                    f"{budget} bytes (0.9 x that peak): {e2}", min_peak_bytes=e2.min_peak_bytes,
+                    budget_bytes=budget) from err
+            self._plans.put(key, plan)
+            self._fast.clear()
+        self.retries += 1
+        return plan.run(*args)
+
+    def precompile(self, shapes: Iterable[Sequence[Any]], background: bool = True,
+                   workers: int = 2) -> list[concurrent.futures.Future[Plan]]:
+        """Plans and compiles ahead for argument specs the caller expects.
+
+        XLA's compile releases the GIL, so distinct shapes compile in parallel on
+        ``workers`` threads while the caller runs steps; a shape already being
+        compiled is compiled once (a call for it waits for that compile).
+
+        Args:
+            shapes: each item is a tuple of arguments (arrays or ``jax.ShapeDtypeStruct``)
+                as they will be passed.
+            background: compile on background threads and return futures.
+            workers: threads of the pool (set by the first background call).
+        """
+        items = [tuple(s) for s in shapes]
+        if not background:
+            return [_done(self.plan_for(*s)) for s in items]
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max(1, workers), thread_name_prefix="jaxmem")
+        return [self._pool.submit(self.plan_for, *s) for s in items]
+
+
+def _done(plan: Plan) -> concurrent.futures.Future[Plan]:
+    f: concurrent.futures.Future[Plan] = concurrent.futures.Future()
+    f.set_result(plan)
+    return f
+
+
+def jit(fun: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
+    """Planned, budgeted ``jax.jit``. Use as ``jaxmem.jit(f, ...)`` or ``@jaxmem.jit(...)``.
+
+    Args:
+        fun: the function (omit to get a decorator).
+        polymorphic_shapes: per positional argument, ``None`` or a string like ``"b, s"``
+            (the form of ``jax.export.symbolic_args_specs``).
+        constraints: e.g. ``("b <= 16", "s <= 512")``.
+        budget_bytes: memory budget per device in bytes, or None for no limit.
+        scheduler: a :class:`~jaxmem.Scheduler`; None means ``schedulers.MemoryAware()``.
+        donate_argnums, static_argnums, in_shardings, out_shardings: as for ``jax.jit``.
+        symbolic: False runs the fallback-only ablation.
+        offload: plan moving residuals to host memory (``pinned_host``) as well as
+            recomputing them. None (default) does so where the backend keeps host
+            arrays out of device memory (GPU, TPU), not on CPU.
+        offload_costs: the device rates (:class:`jaxmem.plan.offload.Costs`: FLOP/s and
+            host-link bytes/s) that weigh recomputation against offload; None uses the
+            default backend's figures (:func:`jaxmem.plan.offload.costs_for`).
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmem
+        >>> @jaxmem.jit(polymorphic_shapes=("n",), constraints=("n <= 1024",))
+        ... def f(x):
+        ...     return x * 2
+        >>> f(jnp.arange(3.0))
+        Array([0., 2., 4.], dtype=float32)
+    """
+    if fun is None:
+        return lambda f: Jitted(f, **kwargs)
+    return Jitted(fun, **kwargs)
+
+
+__all__ = ["CacheInfo", "Jitted", "jit"]

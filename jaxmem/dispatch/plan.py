@@ -1,0 +1,130 @@
+"""The public plan of one call shape: what runs, what XLA says it needs, and why.
+
+Example:
+    >>> import jax, jax.numpy as jnp, jaxmem
+    >>> f = jaxmem.jit(lambda x: (x * 2).sum(), polymorphic_shapes=("n",))
+    >>> print(f.plan_for(jnp.ones(4)).describe().splitlines()[0])
+    jaxmem plan at n=4: level 0 of 1 (save every residual)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxmem.errors import BudgetInfeasibleError
+from jaxmem.lower import Executable
+from jaxmem.plan.analysis import Analysis
+from jaxmem.plan.select import Selection
+from jaxmem.units import human_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What runs for one concrete shape.
+
+    Attributes:
+        dims: the bound dimension values.
+        level: index of the recomputation level.
+        n_levels: how many levels the function has.
+        recompute: residual groups recomputed (e.g. ``layer_*/attn:exp``).
+        saved: residual groups kept from forward to backward.
+        predicted_peak_bytes: jaxmem's symbolic prediction at ``dims``.
+        peak_bytes: XLA's own figure for the compiled executable.
+        budget_bytes: the budget, or None.
+        compiled: the ``jax.stages.Compiled`` that runs.
+        order_enforced: whether a scheduler's op order is enforced with barriers.
+        static_argnums: positions of static arguments (not passed to ``compiled``).
+        guard: why this level was chosen, written by the selection that chose it.
+        microbatches: accumulation steps the batch is split into (1: none).
+        offload: residual groups moved to host memory after the forward pass.
+        offload_planned: whether offload was considered at all (it is not on CPU).
+        selection: the record of every level the selection looked at (None for a plan
+            compiled directly with ``Jitted.compile_level``).
+    """
+
+    dims: dict[str, int]
+    level: int
+    n_levels: int
+    recompute: tuple[str, ...]
+    saved: tuple[str, ...]
+    predicted_peak_bytes: int
+    peak_bytes: int
+    budget_bytes: int | None
+    compiled: Any = dataclasses.field(repr=False)
+    order_enforced: bool = False
+    static_argnums: tuple[int, ...] = ()
+    guard: str = ""
+    microbatches: int = 1
+    offload: tuple[str, ...] = ()
+    offload_planned: bool = False
+    selection: Selection | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def run(self, *args: Any) -> Any:
+        """Runs the compiled executable on the full positional arguments."""
+        if not self.static_argnums:
+            return self.compiled(*args)
+        return self.compiled(*[a for i, a in enumerate(args) if i not in self.static_argnums])
+
+    def describe(self) -> str:
+        """Human-readable: what is saved, recomputed, offloaded, and why."""
+        dims = ", ".join(f"{k}={v}" for k, v in self.dims.items()) or "static shapes"
+        parts = ([f"recompute {len(self.recompute)} residual group(s)"] if self.recompute
+                 else []) + ([f"offload {len(self.offload)}"] if self.offload else [])
+        what = ", ".join(parts) or "save every residual"
+        budget = ("no budget" if self.budget_bytes is None
+                  else f"budget {human_bytes(self.budget_bytes)}")
+        lines = [f"jaxmem plan at {dims}: level {self.level} of {self.n_levels} ({what})",
+                 f"  predicted peak {human_bytes(self.predicted_peak_bytes)}, XLA peak "
+                 f"{human_bytes(self.peak_bytes)}, {budget}"]
+        if self.guard:
+            lines.append(f"  why: {self.guard}")
+        if not self.recompute and not self.offload:
+            lines.append("  recompute nothing")
+        for g in self.recompute:
+            lines.append(f"  recompute {g}")
+        for g in self.saved:
+            lines.append(f"  save      {g}")
+        for g in self.offload:
+            lines.append(f"  offload   {g} (to host memory after the forward pass, back before "
+                         "its first backward use)")
+        if not self.offload:
+            lines.append("  offload   nothing" + ("" if self.offload_planned else
+                                                  " (host offload is not planned on this "
+                                                  "backend)"))
+        if self.microbatches > 1:
+            lines.append(f"  microbatch the batch into {self.microbatches} accumulation steps "
+                         "(no recomputation level fits the budget)")
+        if self.order_enforced:
+            lines.append("  op order  the scheduler's order, enforced with optimization barriers")
+        return "\n".join(lines)
+
+
+
+def make_plan(analysis: Analysis, exe: Executable, dims: dict[str, int],
+              budget_bytes: int | None, static_argnums: tuple[int, ...], why: str,
+              selection: Selection | None = None) -> Plan:
+    """The :class:`Plan` of executable ``exe`` of ``analysis`` at ``dims``."""
+    level = analysis.plans.levels[exe.level]
+    wanted = set(level.recompute) | set(level.offload)
+    saved = tuple(g for g, _ in analysis.plans.groups if g not in wanted)
+    return Plan(dict(dims), exe.level, len(analysis.plans.levels), level.recompute, saved,
+                exe.predicted_peak_bytes, exe.peak_bytes, budget_bytes, exe.compiled,
+                exe.order_enforced, static_argnums, why, exe.microbatches, level.offload,
+                analysis.offload_planned, selection)
+
+
+def infeasible(analysis: Analysis, selection: Selection, dims: dict[str, int]
+               ) -> BudgetInfeasibleError:
+    """The error for a selection that found no plan, naming what the best one needs."""
+    budget = selection.budget_bytes
+    best = selection.smallest
+    if best is None or best.peak_bytes is None:
+        return BudgetInfeasibleError(f"no plan is left to try at {dims}", min_peak_bytes=0,
+                                     budget_bytes=budget)
+    recompute = analysis.plans.levels[best.level].recompute
+    return BudgetInfeasibleError(
+        f"no plan fits budget_bytes={budget} at {dims}: the best plan "
+        f"(level {best.level}, recomputing {', '.join(recompute) or 'nothing'}) needs "
+        f"{best.peak_bytes} bytes (XLA memory_analysis)", min_peak_bytes=best.peak_bytes,
+        budget_bytes=budget)

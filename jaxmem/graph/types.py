@@ -1,0 +1,114 @@
+"""The graph's data types: :class:`Value`, :class:`Node`, :class:`Graph`.
+
+Example:
+    >>> import sympy
+    >>> x = Value(0, (sympy.Integer(4),), "float32", sympy.Integer(16))
+    >>> y = Value(1, (sympy.Integer(4),), "float32", sympy.Integer(16))
+    >>> g = Graph((x, y), (Node(0, "tanh", "elementwise", (0,), (1,)),), (0,), (1,))
+    >>> g.producers, g.consumers
+    ({1: 0}, {0: (0,)})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import sympy
+
+
+class JaxmemWarning(UserWarning):
+    """A conservative estimate was used (unknown primitive, host callback, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Value:
+    """One array in the program.
+
+    Attributes:
+        id: index into ``Graph.values``.
+        shape: dims as sympy expressions.
+        dtype: numpy dtype name.
+        nbytes: symbolic size in bytes of device memory (0 for a value in host memory).
+        host: whether the value lives in host memory (``jax.memory.Space.Host``).
+    """
+
+    id: int
+    shape: tuple[sympy.Expr, ...]
+    dtype: str
+    nbytes: sympy.Expr
+    host: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """One traced operation.
+
+    Attributes:
+        index: position in program order.
+        primitive: the JAX primitive's name.
+        kind: ``elementwise``, ``view``, ``reduce``, ``inplace``, ``opaque`` or ``control``.
+        inputs: ids of input values (literals are dropped).
+        outputs: ids of output values.
+        scope: JAX's name stack at the equation (``jvp(layer_0/attn)``, ``transpose(...)``).
+        subgraphs: bodies of control flow (scan/while/cond), else empty.
+        flops: a symbolic estimate of the arithmetic the node performs.
+        params: a few primitive parameters kept for rules downstream.
+    """
+
+    index: int
+    primitive: str
+    kind: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    scope: str = ""
+    subgraphs: tuple[Graph, ...] = ()
+    flops: sympy.Expr = sympy.Integer(0)
+    params: tuple[tuple[str, Any], ...] = ()
+    # For execution by the rewrite stage: the equation, and per operand either a
+    # value id or None where the equation reads a literal.
+    eqn: Any = dataclasses.field(default=None, compare=False, repr=False)
+    operands: tuple[int | None, ...] = dataclasses.field(default=(), compare=False, repr=False)
+
+    @property
+    def is_backward(self) -> bool:
+        """True for operations JAX made by transposing (the backward pass)."""
+        return "transpose(" in self.scope
+
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+    """A flat dataflow graph in program order.
+
+    Attributes:
+        values: all values; ``values[i].id == i``.
+        nodes: operations in program order.
+        inputs: value ids of the flat arguments.
+        outputs: value ids of the flat results (may repeat or be inputs).
+    """
+
+    values: tuple[Value, ...]
+    nodes: tuple[Node, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    # (value id, array) for constants and literals the rewrite stage must feed in.
+    consts: tuple[tuple[int, Any], ...] = dataclasses.field(default=(), compare=False, repr=False)
+
+    @functools.cached_property
+    def producers(self) -> dict[int, int]:
+        """Value id -> index of the node that makes it (absent for inputs)."""
+        return {v: n.index for n in self.nodes for v in n.outputs}
+
+    @functools.cached_property
+    def consumers(self) -> dict[int, tuple[int, ...]]:
+        """Value id -> indices of the nodes that read it, in program order."""
+        out: dict[int, list[int]] = {}
+        for n in self.nodes:
+            for v in dict.fromkeys(n.inputs):
+                out.setdefault(v, []).append(n.index)
+        return {k: tuple(v) for k, v in out.items()}
+
+    def __repr__(self) -> str:
+        return (f"Graph({len(self.nodes)} nodes, {len(self.values)} values, "
+                f"{len(self.inputs)} inputs, {len(self.outputs)} outputs)")

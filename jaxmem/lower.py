@@ -1,0 +1,179 @@
+"""Lowering: a (rewritten) graph back to a JAX function, compiled so that XLA keeps the plan.
+
+:func:`as_function` turns a :class:`~jaxmem.graph.Graph` whose nodes carry
+their JAX equations back into a Python function over flat arrays, binding each
+primitive in the graph's node order. Barrier nodes made by the planner become
+``lax.optimization_barrier``. With ``enforce_order``, every materialising node
+also waits, through a barrier, for the one before it, so XLA's scheduler keeps
+the order the plan chose.
+
+On CPU, XLA's ``cse_barrier_expander`` pass removes optimization barriers before
+CSE, which would merge a recomputation back into the forward pass; jaxmem
+compiles its executables with that pass disabled (``COMPILER_OPTIONS``), per
+executable, never as a global flag. :func:`lower_level` compiles one level at one
+shape into an :class:`Executable` and reads XLA's own peak
+(:func:`xla_peak_bytes`), the figure every budget and prediction is judged by.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem.graph import build_graph
+    >>> g = build_graph(jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(jnp.ones(3)))
+    >>> as_function(g)(jnp.zeros(3))
+    [Array([0., 0., 0.], dtype=float32)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax import lax
+
+from jaxmem.graph import Graph
+from jaxmem.plan.analysis import Analysis, local_dims
+from jaxmem.rewrite import needs_rewrite, rewrite_level
+
+COMPILER_OPTIONS: dict[str, dict[str, str]] = {
+    "cpu": {"xla_disable_hlo_passes": "cse_barrier_expander"},
+}
+
+
+def compiler_options(backend: str | None = None) -> dict[str, str]:
+    """Per-executable XLA options jaxmem needs on ``backend`` (default: JAX's default)."""
+    return dict(COMPILER_OPTIONS.get(backend or jax.default_backend(), {}))
+
+
+_SYNC_KINDS = ("opaque", "reduce", "control", "inplace")
+
+
+def as_function(graph: Graph, enforce_order: bool = False) -> Callable[..., list[Any]]:
+    """A function of the graph's flat inputs that returns its flat outputs.
+
+    Args:
+        graph: a graph whose nodes carry equations (from ``build_graph`` or a rewrite).
+        enforce_order: chain materialising nodes through optimization barriers.
+    """
+    consts = dict(graph.consts)
+
+    def run(*flat: Any) -> list[Any]:
+        if len(flat) != len(graph.inputs):
+            raise TypeError(f"expected {len(graph.inputs)} flat arguments, got {len(flat)}")
+        env: dict[int, Any] = dict(consts)
+        env.update(zip(graph.inputs, flat, strict=True))
+        token: Any = None
+        for node in graph.nodes:
+            if node.eqn is None:  # a planner barrier
+                outs = lax.optimization_barrier(tuple(env[v] for v in node.inputs))
+            else:
+                invals = [env[o] if o is not None else atom.val
+                          for o, atom in zip(node.operands, node.eqn.invars, strict=True)]
+                if enforce_order and node.kind in _SYNC_KINDS and token is not None:
+                    *invals, _ = lax.optimization_barrier((*invals, token))
+                    invals = list(invals)
+                outs = _bind(node.eqn, invals)
+                if enforce_order and node.kind in _SYNC_KINDS and outs:
+                    token = outs[0]
+            for v, x in zip(node.outputs, outs, strict=True):
+                env[v] = x
+        return [env[v] for v in graph.outputs]
+
+    return run
+
+
+def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    bound = eqn.primitive.get_bind_params(eqn.params)
+    # Older JAX returns (subfuns, params); newer JAX folds subfuns into params.
+    subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+    out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def xla_peak_bytes(compiled: Any) -> int:
+    """Peak bytes of a compiled executable as jaxmem judges every figure: XLA's own.
+
+    ``argument + output - alias + temp`` from ``compiled.memory_analysis()``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxmem
+        >>> c = jax.jit(lambda x: x * 2).lower(jnp.ones(256, jnp.float32)).compile()
+        >>> jaxmem.xla_peak_bytes(c)
+        2048
+    """
+    m = compiled.memory_analysis()
+    if m is None:
+        raise ValueError("this executable has no memory_analysis()")
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+               + m.temp_size_in_bytes)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CompileOptions:
+    """How every executable of one ``jaxmem.jit`` is compiled (as ``jax.jit`` takes them).
+
+    Attributes:
+        donate_argnums: dynamic-argument positions to donate.
+        in_shardings: as for ``jax.jit`` (None: from the arguments).
+        out_shardings: as for ``jax.jit``.
+    """
+
+    donate_argnums: tuple[int, ...] = ()
+    in_shardings: Any = None
+    out_shardings: Any = None
+
+    def jit_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"donate_argnums": self.donate_argnums}
+        if self.in_shardings is not None:
+            kwargs["in_shardings"] = self.in_shardings
+        if self.out_shardings is not None:
+            kwargs["out_shardings"] = self.out_shardings
+        return kwargs
+
+
+@dataclasses.dataclass(frozen=True)
+class Executable:
+    """One level compiled at one shape.
+
+    Attributes:
+        level: the level index.
+        microbatches: accumulation steps (1: none).
+        compiled: the ``jax.stages.Compiled``.
+        peak_bytes: XLA's figure (:func:`xla_peak_bytes`).
+        predicted_peak_bytes: jaxmem's prediction at the per-device dims.
+        order_enforced: whether the scheduler's op order is pinned by barriers.
+    """
+
+    level: int
+    microbatches: int
+    compiled: Any = dataclasses.field(repr=False)
+    peak_bytes: int
+    predicted_peak_bytes: int
+    order_enforced: bool
+
+
+def lower_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tuple[Any, ...],
+                options: CompileOptions, apply_order: bool = True, microbatches: int = 1,
+                axis: str = "") -> Executable:
+    """Compiles level ``k`` at the shapes of ``dynamic``.
+
+    A level with nothing to rewrite compiles the user's own function, as
+    ``jax.jit`` would; every other goes through :func:`jaxmem.rewrite.rewrite_level`.
+    """
+    enforced = False
+    if not needs_rewrite(analysis, k, apply_order, microbatches):
+        run: Any = analysis.flat_fn
+    else:
+        rewritten = rewrite_level(analysis, k, dims, dynamic, apply_order, microbatches, axis)
+        body, enforced = as_function(rewritten.graph, rewritten.order_enforced), \
+            rewritten.order_enforced
+
+        def run(*dyn: Any) -> Any:
+            flat = body(*jax.tree_util.tree_leaves(dyn))
+            return jax.tree_util.tree_unflatten(rewritten.out_tree, flat)
+
+    lowered = jax.jit(run, **options.jit_kwargs()).lower(*dynamic)
+    compiled = lowered.compile(compiler_options=compiler_options())
+    flat_shardings = jax.tree_util.tree_leaves(compiled.input_shardings[0])
+    predicted = analysis.plans.levels[k].peak_fn(local_dims(analysis, dims, flat_shardings))
+    return Executable(k, microbatches, compiled, xla_peak_bytes(compiled), predicted, enforced)

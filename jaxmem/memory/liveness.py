@@ -1,0 +1,193 @@
+"""Buffers and their live ranges under an op order: what XLA allocates, and when.
+
+Which values XLA materialises (and the extra buffers it adds) comes from
+:mod:`jaxmem.memory.fusion`; this module decides when each buffer is born and
+when it dies, including XLA's buffer sharing (an elementwise or in-place op
+writing into an operand that dies there).
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem.graph import build_graph
+    >>> g = build_graph(jax.make_jaxpr(lambda x: jnp.tanh(x @ x.T).sum())(jnp.ones((4, 8))))
+    >>> [b.kind for b in liveness(g)]
+    ['argument', 'temp', 'output']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import sympy
+
+from jaxmem.graph import Graph
+from jaxmem.memory.fusion import epilogue_broadcasts, materialised, transposed_copies
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """A buffer XLA would allocate for one materialised value.
+
+    Attributes:
+        value: the value id whose bytes it holds.
+        nbytes: symbolic size.
+        start: order position of the node that writes it (-1 for arguments).
+        end: last order position that reads it (``len(order)`` for outputs).
+        kind: ``argument``, ``output`` or ``temp``.
+        note: why a buffer exists that no jaxpr value names (``"transposed copy"``
+            of a dot operand XLA must transpose); empty otherwise.
+    """
+
+    value: int
+    nbytes: sympy.Expr
+    start: int
+    end: int
+    kind: str
+    note: str = ""
+
+
+def liveness(graph: Graph, order: Sequence[int] | None = None,
+             donated: Sequence[int] = ()) -> tuple[Buffer, ...]:
+    """Buffers and their live ranges when the graph runs in ``order``.
+
+    Args:
+        graph: the graph.
+        order: a permutation of node indices (program order when None).
+        donated: indices into ``graph.inputs`` whose buffers outputs may reuse.
+            Donation changes no live range (an argument lives for the whole run
+            either way); :func:`jaxmem.memory.model.memory_model` subtracts the
+            aliased bytes.
+
+    Returns:
+        One :class:`Buffer` per materialised value, then the buffers XLA adds
+        (transposed dot operands, broadcast epilogue operands).
+    """
+    del donated  # see Args
+    order = list(range(len(graph.nodes))) if order is None else list(order)
+    owner = materialised(graph)
+    srcs = _buffer_sources(graph, owner)
+    first_def, last_use = _definitions_and_uses(graph, order, owner, srcs)
+    outputs = _output_buffers(graph, order, owner, first_def)
+    reuse_end, in_output = _shared_buffers(graph, order, owner, srcs, last_use, outputs)
+    buffers = _value_buffers(graph, len(order), owner, outputs, first_def, last_use,
+                             reuse_end, in_output)
+    for x in (*transposed_copies(graph, order, owner),
+              *epilogue_broadcasts(graph, order, owner, first_def)):
+        buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
+    return tuple(buffers)
+
+
+def _buffer_sources(graph: Graph, owner: dict[int, int]) -> Callable[[int], frozenset[int]]:
+    """Buffers a value is read from: XLA recomputes a fused value from its sources' buffers."""
+    nodes, producers = graph.nodes, graph.producers
+    sources: dict[int, frozenset[int]] = {}
+
+    def srcs(v: int) -> frozenset[int]:
+        if v in sources:
+            return sources[v]
+        o = owner.get(v, v)
+        if o != -1:
+            res = frozenset([o])
+        else:
+            n = nodes[producers[v]]
+            res = frozenset().union(*[srcs(i) for i in n.inputs]) if n.inputs else frozenset()
+        sources[v] = res
+        return res
+
+    return srcs
+
+
+def _definitions_and_uses(graph: Graph, order: Sequence[int], owner: dict[int, int],
+                          srcs: Callable[[int], frozenset[int]]
+                          ) -> tuple[dict[int, int], dict[int, int]]:
+    """Where XLA allocates each buffer (its first writer) and frees it (after its last reader)."""
+    last_use: dict[int, int] = {}
+    first_def: dict[int, int] = {}
+    for p, ni in enumerate(order):
+        n = graph.nodes[ni]
+        for i in n.inputs:
+            for s in srcs(i):
+                last_use[s] = max(last_use.get(s, -1), p)
+        for o in n.outputs:
+            if owner.get(o) == o:
+                first_def.setdefault(o, p)
+    return first_def, last_use
+
+
+def _output_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
+                    first_def: dict[int, int]) -> set[int]:
+    """The result buffers: XLA writes an output that fused away with the fusion computing it.
+
+    Such an output gets its producer's position in ``first_def``.
+    """
+    pos = {n: p for p, n in enumerate(order)}
+    outputs = {owner.get(v, v) for v in graph.outputs if owner.get(v, v) != -1}
+    for v in graph.outputs:
+        if owner.get(v) == -1:
+            outputs.add(v)
+            first_def.setdefault(v, pos[graph.producers[v]])
+    return outputs
+
+
+def _shared_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
+                    srcs: Callable[[int], frozenset[int]], last_use: dict[int, int],
+                    outputs: set[int]) -> tuple[dict[int, int], set[int]]:
+    """XLA's buffer sharing: an elementwise or in-place op writes into an operand dying there.
+
+    Returns:
+        ``(reuse_end, in_output)``: for each operand whose buffer a result takes
+        over, the position before that op (its own range ends there); and the
+        operands whose buffer ends up as an output (they take no temp bytes).
+        Walking backwards lets a result own the buffer from the birth of the
+        first operand of a chain.
+    """
+    inputs = set(graph.inputs)
+    reuse_end: dict[int, int] = {}
+    in_output: set[int] = set()
+    for p in range(len(order) - 1, -1, -1):
+        n = graph.nodes[order[p]]
+        if n.kind not in ("elementwise", "inplace"):
+            continue
+        for o in n.outputs:
+            if owner.get(o) != o or o in reuse_end:
+                continue
+            operands = list(dict.fromkeys(s for i in n.inputs for s in srcs(i)))
+            cands = [i for i in operands
+                     if owner.get(i, i) == i and i not in inputs and last_use.get(i) == p
+                     and graph.values[i].nbytes == graph.values[o].nbytes
+                     and i not in reuse_end and i not in outputs]
+            if n.kind == "inplace" and n.inputs:
+                first = srcs(n.inputs[0])
+                cands = [c for c in cands if c in first][:1]
+            if not cands:
+                continue
+            if o in outputs or o in in_output:
+                in_output.add(cands[0])
+            reuse_end[cands[0]] = p - 1
+    return reuse_end, in_output
+
+
+def _value_buffers(graph: Graph, end: int, owner: dict[int, int], outputs: set[int],
+                   first_def: dict[int, int], last_use: dict[int, int],
+                   reuse_end: dict[int, int], in_output: set[int]) -> list[Buffer]:
+    """One buffer per materialised value: XLA keeps arguments and outputs for the whole run.
+
+    Temporaries live from their writer to their last reader (or until a result
+    takes their buffer over); an argument returned as is is also copied into an
+    output buffer.
+    """
+    inputs = set(graph.inputs)
+    buffers = []
+    for v in graph.values:
+        vid = v.id
+        if vid in inputs:
+            buffers.append(Buffer(vid, v.nbytes, -1, end, "argument"))
+            if vid in outputs:
+                buffers.append(Buffer(vid, v.nbytes, end, end, "output", "copied argument"))
+        elif vid in outputs:
+            buffers.append(Buffer(vid, v.nbytes, first_def.get(vid, end), end, "output"))
+        elif owner.get(vid) == vid and vid in first_def and vid not in in_output:
+            start = first_def[vid]
+            stop = reuse_end.get(vid, last_use.get(vid, start))
+            buffers.append(Buffer(vid, v.nbytes, start, max(stop, start), "temp"))
+    return buffers

@@ -1,0 +1,14 @@
+"""Stage 3, symbolic: the shape domain and sound comparisons over it.
+
+``domain`` holds the symbols, their ranges and constraints, and decides which
+points are in it and where to evaluate (its corners and sample points);
+``compare`` decides how two byte expressions relate on the whole domain,
+symbolically where it can, by sampling otherwise, and counts which.
+"""
+
+from jaxmem.dims import sym, to_sympy
+from jaxmem.symbolic.compare import Cmp, Comparison, Split, compare, lowers_somewhere
+from jaxmem.symbolic.domain import UNBOUNDED_DIM, Constraint, ShapeDomain
+
+__all__ = ["UNBOUNDED_DIM", "Cmp", "Comparison", "Constraint", "ShapeDomain", "Split", "compare",
+           "lowers_somewhere", "sym", "to_sympy"]

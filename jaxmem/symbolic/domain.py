@@ -1,0 +1,217 @@
+"""The shape domain: the set of shapes a function may be called with.
+
+One integer symbol per dimension variable, a range per symbol, and the
+declared constraints between them. The domain decides which points are in it
+(:meth:`ShapeDomain.contains`) and where every stage evaluates what it cannot
+decide symbolically: its corners (:meth:`ShapeDomain.corner`,
+:meth:`ShapeDomain.smallest_corner`) and sample points
+(:meth:`ShapeDomain.sample_points`). A symbol with no declared upper bound is
+evaluated at :data:`UNBOUNDED_DIM`.
+
+Example:
+    >>> dom = ShapeDomain.from_constraints(("b", "s"), ("b <= 16", "s <= 512", "b*s <= 4096"))
+    >>> dom.bounds("s")
+    (1, 512)
+    >>> dom.corner(), dom.smallest_corner()
+    ({'b': 16, 's': 512}, {'b': 1, 's': 1})
+    >>> [c.text for c in dom.constraints]
+    ['b*s <= 4096']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import random
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import sympy
+
+from jaxmem.dims import parse_constraint, sym
+from jaxmem.errors import SymbolicError
+
+#: Where a symbol with no declared upper bound is evaluated: its value at the
+#: domain's largest corner and the cap of its sample points (or its lower bound,
+#: when that is larger).
+UNBOUNDED_DIM = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+    """A general constraint (one no single-symbol bound expresses).
+
+    Attributes:
+        expr: the constraint as a sympy expression ``g``, meaning ``g >= 0``.
+        text: the constraint as the user wrote it.
+    """
+
+    expr: sympy.Expr
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeDomain:
+    """Symbols, their integer ranges and the constraints between them.
+
+    Attributes:
+        symbols: symbol names in declaration order.
+        lower: lower bound per symbol (dims are at least 1).
+        upper: upper bound per symbol, or None when unbounded.
+        constraints: the general constraints (``b*s <= 4096``), each with its text;
+            single-symbol bounds are in ``lower`` and ``upper`` instead.
+        constraint_text: every declared constraint on these symbols as the user
+            wrote it, bounds included.
+    """
+
+    symbols: tuple[str, ...]
+    lower: tuple[int, ...]
+    upper: tuple[int | None, ...]
+    constraints: tuple[Constraint, ...] = ()
+    constraint_text: tuple[str, ...] = ()
+
+    @staticmethod
+    def from_constraints(symbols: Iterable[str], constraints: Iterable[str] = ()) -> ShapeDomain:
+        """Builds a domain from symbol names and JAX-style constraint strings.
+
+        Args:
+            symbols: names of the dimension variables.
+            constraints: strings like ``"b <= 16"``, ``"s >= 2"``, ``"b*s <= 4096"``.
+
+        Returns:
+            The domain; single-symbol linear constraints become bounds, the others
+            are kept as :class:`Constraint`.
+
+        Raises:
+            SymbolicError: a constraint cannot be parsed, or leaves a symbol no value.
+        """
+        symbols = tuple(symbols)
+        lower = {n: 1 for n in symbols}
+        upper: dict[str, int | None] = {n: None for n in symbols}
+        general: list[Constraint] = []
+        # Constraints on dims the function never sees (declared in the same
+        # symbolic_shape scope) do not bound its shapes; keep only the others.
+        texts = tuple(t for t in constraints
+                      if {str(x) for x in parse_constraint(t).free_symbols} <= set(symbols))
+        for text in texts:
+            g = parse_constraint(text)
+            free = g.free_symbols
+            if len(free) == 1 and g.is_polynomial() and sympy.degree(g, *free) == 1:
+                (sym,) = free
+                coeff = g.coeff(sym)
+                bound = -(g - coeff * sym) / coeff
+                name = str(sym)
+                if name in lower:
+                    if coeff > 0:  # sym >= bound
+                        lower[name] = max(lower[name], int(math.ceil(bound)))
+                    else:  # sym <= bound
+                        cap = int(math.floor(bound))
+                        upper[name] = cap if upper[name] is None else min(upper[name], cap)
+                    continue
+            general.append(Constraint(g, text))
+        for n in symbols:
+            hi = upper[n]
+            if hi is not None and hi < lower[n]:
+                raise SymbolicError(f"constraints leave symbol {n!r} empty: {lower[n]} > {hi}")
+        return ShapeDomain(symbols, tuple(lower[n] for n in symbols),
+                           tuple(upper[n] for n in symbols), tuple(general), texts)
+
+    def bounds(self, name: str) -> tuple[int, int | None]:
+        """The range of symbol ``name``.
+
+        Args:
+            name: a symbol of the domain.
+
+        Returns:
+            ``(lower, upper)``; ``upper`` is None when the symbol is unbounded.
+        """
+        i = self.symbols.index(name)
+        return self.lower[i], self.upper[i]
+
+    @property
+    def bounded(self) -> bool:
+        """Whether every symbol has a declared upper bound (so :meth:`corner` is a true maximum)."""
+        return all(hi is not None for hi in self.upper)
+
+    def corner(self) -> dict[str, int]:
+        """The largest corner of the box: each symbol at its upper bound.
+
+        A symbol with no upper bound is at ``max(lower, UNBOUNDED_DIM)``. General
+        constraints are not applied: the corner may lie outside them.
+
+        Returns:
+            Symbol name to value, in declaration order.
+        """
+        return {n: (hi if hi is not None else max(lo, UNBOUNDED_DIM))
+                for n, lo, hi in zip(self.symbols, self.lower, self.upper, strict=True)}
+
+    def smallest_corner(self) -> dict[str, int]:
+        """The smallest corner of the box: each symbol at its lower bound.
+
+        Returns:
+            Symbol name to value, in declaration order.
+        """
+        return dict(zip(self.symbols, self.lower, strict=True))
+
+    def contains(self, point: Mapping[str, int]) -> str | None:
+        """Checks a point against the bounds and the general constraints.
+
+        Args:
+            point: a value for every symbol.
+
+        Returns:
+            None when ``point`` is in the domain, else a message naming the bound
+            or constraint it violates.
+        """
+        for n, lo, hi in zip(self.symbols, self.lower, self.upper, strict=True):
+            v = point[n]
+            if v < lo:
+                return f"dimension {n}={v} is below its lower bound {lo}"
+            if hi is not None and v > hi:
+                return f"dimension {n}={v} is above its upper bound {hi}"
+        if not self.constraints:
+            return None
+        values = [point[n] for n in self.symbols]
+        for check, c in zip(self._checks, self.constraints, strict=True):
+            if check(*values) < 0:
+                return f"constraint {c.text!r} is violated at {dict(point)}"
+        return None
+
+    @functools.cached_property
+    def _checks(self) -> tuple[Callable[..., Any], ...]:
+        """The general constraints compiled once (``contains`` runs on every call)."""
+        args = [sym(n) for n in self.symbols]
+        return tuple(sympy.lambdify(args, c.expr, modules=["math"]) for c in self.constraints)
+
+    def sample_points(self, n: int = 48, seed: int = 0) -> list[dict[str, int]]:
+        """Corners of the box plus random points that satisfy the constraints.
+
+        Args:
+            n: how many random points to keep at most (the corners come on top).
+            seed: seed of the random points.
+
+        Returns:
+            The corners between :meth:`smallest_corner` and :meth:`corner` that
+            satisfy the general constraints, then log-uniform random points
+            that do.
+        """
+        rng = random.Random(seed)
+        low, high = self.smallest_corner(), self.corner()
+        cands = [dict(zip(self.symbols, c, strict=True))
+                 for c in itertools.product(*[sorted({low[s], high[s]}) for s in self.symbols])]
+        for _ in range(n * 4):
+            cands.append({s: _log_uniform(rng, low[s], high[s]) for s in self.symbols})
+        pts = [p for p in cands if self._satisfies(p)]
+        return pts[: n + 2 ** len(self.symbols)]
+
+    def _satisfies(self, p: Mapping[str, int]) -> bool:
+        subs = {sym(k): v for k, v in p.items()}
+        return all(c.expr.subs(subs) >= 0 for c in self.constraints)
+
+
+def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    if hi <= lo:
+        return lo
+    return min(hi, max(lo, int(round(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))))
