@@ -180,10 +180,14 @@ def _sinusoid(s: Any, d: int) -> jax.Array:
 
 
 def gpt_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
-                max_b: int = 16, max_s: int = 512, mlp_only: bool = False) -> Program:
+                max_b: int = 16, max_s: int = 512, mlp_only: bool = False,
+                remat_policy: Callable[..., Any] | None = None) -> Program:
     """A GPT-2-like causal LM on ``tokens: i32[b, s]`` (next-token CE loss, AdamW).
 
-    ``mlp_only`` drops attention (a token-wise model) for a cheaper variant.
+    Plain JAX with a Python loop over layers and no named scopes. ``mlp_only``
+    drops attention (a token-wise model) for a cheaper variant; ``remat_policy``
+    wraps each layer in ``jax.checkpoint(policy=...)``, the one line a user would
+    write by hand (e.g. ``jax.checkpoint_policies.nothing_saveable``).
     """
     block = {"ln1": _ln_params(d), "ln2": _ln_params(d), "fc": _dense(None, d, 4 * d),
              "proj": _dense(None, 4 * d, d)}
@@ -193,13 +197,19 @@ def gpt_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
               "blocks": [block] * layers, "ln_f": _ln_params(d),
               "head": jax.ShapeDtypeStruct((d, vocab), jnp.float32)}
 
+    def layer(x: jax.Array, p: Any) -> jax.Array:
+        if not mlp_only:
+            x = x + causal_attention(_layer_norm(x, p["ln1"]), p, heads)
+        h = jax.nn.gelu(_layer_norm(x, p["ln2"]) @ p["fc"]["w"] + p["fc"]["b"])
+        return x + h @ p["proj"]["w"] + p["proj"]["b"]
+
+    if remat_policy is not None:
+        layer = jax.checkpoint(layer, policy=remat_policy)
+
     def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
         x = params["embed"][tokens] + _sinusoid(tokens.shape[1], d)
         for p in params["blocks"]:
-            if not mlp_only:
-                x = x + causal_attention(_layer_norm(x, p["ln1"]), p, heads)
-            h = jax.nn.gelu(_layer_norm(x, p["ln2"]) @ p["fc"]["w"] + p["fc"]["b"])
-            x = x + h @ p["proj"]["w"] + p["proj"]["b"]
+            x = layer(x, p)
         logits = _layer_norm(x, params["ln_f"]) @ params["head"]
         targets = jnp.roll(tokens, -1, axis=1)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
@@ -209,7 +219,7 @@ def gpt_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
     def batch(dd: Dims) -> tuple[jax.ShapeDtypeStruct, ...]:
         return (jax.ShapeDtypeStruct((dd["b"], dd["s"]), jnp.int32),)
 
-    name = f"gpt{layers}x{d}" + ("-mlp" if mlp_only else "")
+    name = f"gpt{layers}x{d}" + ("-mlp" if mlp_only else "") + ("-remat" if remat_policy else "")
     return Program(name, optax_step(loss_fn, opt), _train_state(params, opt), batch,
                    ("b", "s"), (f"b <= {max_b}", f"s <= {max_s}"))
 

@@ -27,11 +27,13 @@ from typing import Any
 
 import jax
 
+from jaxmem.dims import sym
 from jaxmem.grad import microbatching
 from jaxmem.graph import Graph, JaxmemWarning, build_graph
 from jaxmem.plan.analysis import Analysis, as_struct
 from jaxmem.plan.remat import apply_remat
-from jaxmem.plan.residuals import find_residuals
+from jaxmem.plan.residuals import Residual, find_residuals
+from jaxmem.plan.segments import SegmentPlan, batch_inputs, find_segments, segment_residuals
 from jaxmem.schedulers import reorder
 
 
@@ -85,9 +87,12 @@ def rewrite_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tup
             *jax.tree_util.tree_unflatten(tree, avals))
     graph = build_graph(closed)
     residuals = find_residuals(graph)
-    recompute, offload = set(level.recompute), set(level.offload)
-    rewritten = apply_remat(graph, [r for r in residuals if r.group in recompute],
-                            [r for r in residuals if r.group in offload], residuals)
+    if level.segments is not None:
+        rewritten = _apply_segments(analysis, level.segments, graph, residuals)
+    else:
+        recompute, offload = set(level.recompute), set(level.offload)
+        rewritten = apply_remat(graph, [r for r in residuals if r.group in recompute],
+                                [r for r in residuals if r.group in offload], residuals)
     order = analysis.orders[k] if apply_order else None
     enforced = False
     if order is not None and order != list(range(len(order))) and microbatches == 1:
@@ -99,3 +104,18 @@ def rewrite_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tup
                           stacklevel=3)
     return Rewritten(rewritten, jax.tree_util.tree_structure(out_shape), enforced)
 
+
+
+def _apply_segments(analysis: Analysis, plan: SegmentPlan, graph: Graph,
+                    residuals: tuple[Residual, ...]) -> Graph:
+    """A segment level on the concrete trace: the same rule, on this trace's own cuts."""
+    corner = {sym(n): v for n, v in analysis.domain.corner().items()}
+    symbolic = find_segments(analysis.graph, corner)
+    segs = find_segments(graph, {}, batch_inputs(analysis.graph))
+    if len(segs.cuts) != len(symbolic.cuts):
+        warnings.warn(f"jaxmem: the concrete trace has {len(segs.cuts)} forward cuts where the "
+                      f"symbolic one has {len(symbolic.cuts)}; {plan.name} is not applied at "
+                      "this shape", JaxmemWarning, stacklevel=4)
+        return graph
+    chosen, keep = segment_residuals(graph, segs, plan.kept(symbolic), plan.save, residuals)
+    return apply_remat(graph, chosen, (), residuals, keep, long_chains=True)

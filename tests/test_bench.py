@@ -109,6 +109,18 @@ def test_offload_bench_writes_its_figures(tmp_path: Path) -> None:
         assert row["peak_bytes"] > 0 and row["max_abs_diff"] < 1e-4
 
 
+def test_reach_bench_writes_its_figures(tmp_path: Path) -> None:
+    from bench import reach
+
+    out = tmp_path / "reach.json"
+    assert reach.main(["--quick", "--programs", "gpt", "--repeats", "1", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["lowest_peak_bytes"] <= row["plain_peak_bytes"]
+    assert set(row["checkpoint_peak_bytes"]) == {"nothing_saveable", "dots_saveable"}
+    assert row["budgets"]["1.1x checkpoint"]["budget_bytes"] > 0
+    assert (tmp_path / "reach.txt").read_text().startswith(row["program"])
+
+
 _WRITES: list[str] | None = None  # paths written while recording, else None
 _HOOKED: list[bool] = []  # an audit hook cannot be removed: install it once
 _WRITE_EVENTS = frozenset({"os.mkdir", "os.rename", "os.remove", "os.rmdir", "os.symlink",

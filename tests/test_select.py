@@ -61,7 +61,14 @@ def test_chosen_level_fits_by_xla_and_is_compiled_once(predicted, data):
         assert "no level fits" in s.why
     compiled = [a for a in s.attempts if a.peak_bytes is not None]
     assert [(a.level, 1) for a in compiled] == calls
-    assert all(a.predicted_peak_bytes <= budget * HOPELESS_FACTOR for a in compiled[1:])
+    for i, a in enumerate(compiled[1:], 1):  # compiled only while within reach
+        reach = max(budget, min(c.peak_bytes for c in compiled[:i])) * HOPELESS_FACTOR
+        assert a.predicted_peak_bytes <= reach
+    smallest = min(real[k] for k, _ in calls) if calls else 0
+    if s.level is None and calls:  # the error names the smallest plan within reach
+        assert s.smallest.peak_bytes == smallest
+        assert all(p > smallest * HOPELESS_FACTOR for k, p in enumerate(predicted)
+                   if (k, 1) not in calls)
 
 
 @settings(max_examples=200, deadline=None)
@@ -103,6 +110,9 @@ def test_hopeless_levels_are_not_compiled_once_one_was():
     calls, compile = scripted([900, 900])
     s = select_level(FakePlans((FakeLevel(400), FakeLevel(int(500 * HOPELESS_FACTOR) + 1))),
                      {}, 500, compile)
+    assert s.level is None and calls == [(0, 1), (1, 1)]  # 626 is within reach of 900
+    calls, compile = scripted([500 * 2, 900])
+    s = select_level(FakePlans((FakeLevel(400), FakeLevel(2000))), {}, 500, compile)
     assert s.level is None and calls == [(0, 1)]
     assert s.attempts[-1].outcome == "skipped: predicted far above the budget"
 

@@ -40,6 +40,12 @@ from jaxmem.memory import MemoryModel, memory_model
 from jaxmem.plan.offload import Costs, costs_for
 from jaxmem.plan.remat import apply_remat, offload_chains, recompute_chains
 from jaxmem.plan.residuals import Residual, find_residuals
+from jaxmem.plan.segments import (
+    SegmentPlan,
+    find_segments,
+    segment_candidates,
+    segment_residuals,
+)
 from jaxmem.plan.select import select_level
 from jaxmem.symbolic import ShapeDomain, lowers_somewhere, sym
 from jaxmem.units import human_bytes
@@ -57,6 +63,8 @@ class Level:
         recompute_flops: symbolic extra work.
         offload: names of the residual groups moved to host memory (cumulative).
         offloaded: the offloaded residuals.
+        segments: for a segment level, the rule that picks its residuals on any trace
+            of the step (:mod:`jaxmem.plan.segments`); None for a level of groups.
     """
 
     recompute: tuple[str, ...]
@@ -66,6 +74,7 @@ class Level:
     recompute_flops: sympy.Expr = sympy.Integer(0)
     offload: tuple[str, ...] = ()
     offloaded: tuple[Residual, ...] = ()
+    segments: SegmentPlan | None = None
 
     @property
     def offload_bytes(self) -> sympy.Expr:
@@ -236,6 +245,7 @@ def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
         if picked is not None:
             search.accept(*picked)
     search.order.extend(sorted(remaining))
+    search.add_segment_levels()
     for k, v in base.comparisons:
         search.tally[k] += v
     return PlanSet(dom, tuple((n, tuple(groups[n])) for n in search.order), tuple(search.levels),
@@ -310,3 +320,34 @@ class _Greedy:
         flops = sympy.Add(*[r.recompute_flops for r in self.chosen])
         self.levels.append(Level(tuple(self.names), tuple(self.chosen), g2, m, flops,
                                  self.moved_names, self.moved))
+
+    def add_segment_levels(self) -> None:
+        """Appends the segment plans that are the fastest fitting plan for some budget
+        somewhere: each must have a lower peak, at some sampled shape, than every level
+        that re-runs less."""
+        segs = find_segments(self.graph, self.corner)
+        if len(segs.cuts) < 2:
+            return
+        candidates = []
+        for plan in segment_candidates(len(segs.cuts)):
+            chosen, keep = segment_residuals(self.graph, segs, plan.kept(segs), plan.save,
+                                             self.residuals)
+            chains = recompute_chains(self.graph, chosen, self.residuals, keep, True)
+            if not chains:
+                continue
+            g2 = apply_remat(self.graph, chosen, (), self.residuals, keep, True)
+            m = memory_model(g2, self.dom, donated=self.donated, symbolic=self.symbolic)
+            nodes = {i for _, c in chains for i in c}
+            flops = sympy.Add(*[self.graph.nodes[i].flops for i in nodes])
+            names = tuple(dict.fromkeys(r.group for r, _ in chains))
+            candidates.append(Level(names, tuple(r for r, _ in chains), g2, m, flops,
+                                    segments=plan))
+        greedy_flops = float(self.levels[-1].recompute_flops.subs(self.corner))
+        points = self.dom.sample_points()
+        self.tally["fallback"] += len(candidates)
+        for level in sorted(candidates, key=lambda lv: float(lv.recompute_flops.subs(
+                self.corner))):
+            if float(level.recompute_flops.subs(self.corner)) < greedy_flops:
+                continue  # the greedy chain already holds the cheaper plans
+            if any(level.peak_fn(p) < min(lv.peak_fn(p) for lv in self.levels) for p in points):
+                self.levels.append(level)

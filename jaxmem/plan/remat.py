@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import sympy
 
@@ -40,25 +40,28 @@ def _live_anyway(graph: Graph, residuals: Sequence[Residual] | None) -> set[int]
 
 
 def recompute_chains(graph: Graph, recompute: Iterable[Residual],
-                     residuals: Sequence[Residual] | None = None
+                     residuals: Sequence[Residual] | None = None,
+                     keep: Collection[int] = (), long_chains: bool = False
                      ) -> list[tuple[Residual, Chain]]:
     """The residuals that will really be recomputed, each with the forward nodes it re-runs.
 
     Chains start from values that stay live anyway (inputs, constants, residuals
-    not being recomputed). A residual whose chain cannot be built, or is long
-    (more than a few materialising ops: it would re-run whole layers), stays saved.
-    ``residuals`` is :func:`find_residuals` of ``graph``, when the caller has it.
+    not being recomputed, and ``keep``: the cuts a segment plan saves). A residual
+    whose chain cannot be built stays saved, and so does one whose chain is long
+    (more than a few materialising ops) unless ``long_chains`` (a segment plan
+    re-runs whole layers on purpose). ``residuals`` is :func:`find_residuals` of
+    ``graph``, when the caller has it.
     """
     chosen = {r.value: r for r in recompute}
     if not chosen:
         return []
-    kept = _live_anyway(graph, residuals) - set(chosen)
+    kept = (_live_anyway(graph, residuals) | set(keep)) - set(chosen)
     out = []
     for r in chosen.values():
         chains = [recompute_chain(graph, v, kept) for v in (r.value, *r.aliases)]
         if all(c is not None for c in chains):
             chain = tuple(sorted({i for c in chains for i in c}))  # type: ignore[union-attr]
-            if _cheap(graph, chain, r):
+            if long_chains or _cheap(graph, chain, r):
                 out.append((r, chain))
     return out
 
@@ -86,7 +89,8 @@ def offload_chains(graph: Graph, offload: Iterable[Residual],
 
 def apply_remat(graph: Graph, recompute: Iterable[Residual],
                 offload: Iterable[Residual] = (),
-                residuals: Sequence[Residual] | None = None) -> Graph:
+                residuals: Sequence[Residual] | None = None,
+                keep: Collection[int] = (), long_chains: bool = False) -> Graph:
     """Rewrites ``graph`` so that the given residuals are recomputed or offloaded, not kept.
 
     Args:
@@ -95,11 +99,13 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual],
         offload: residuals to move to host memory after the forward pass makes them
             and back before their first backward use (see :mod:`jaxmem.plan.offload`).
         residuals: :func:`find_residuals` of ``graph``, when the caller has it.
+        keep: values saved as recomputation sources (a segment plan's cuts).
+        long_chains: recompute residuals whose chains re-run many operations.
 
     Returns:
         The rewritten graph, nodes in execution order.
     """
-    chains = recompute_chains(graph, recompute, residuals)
+    chains = recompute_chains(graph, recompute, residuals, keep, long_chains)
     moved = offload_chains(graph, offload, residuals)
     if not chains and not moved:
         return graph

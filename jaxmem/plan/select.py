@@ -6,8 +6,10 @@ budget`` holds and asks ``compile`` — XLA, in ``jaxmem.jit`` — for each
 candidate's real peak: upwards while XLA says it does not fit, then downwards
 (the guard may have skipped a cheaper level that XLA would fit). Once one level
 has been compiled, levels predicted above ``HOPELESS_FACTOR`` times the budget
-are not compiled. If nothing fits, the scheduler's ``microbatches`` hook may
-split the batch of the smallest plan. Without ``compile`` the choice follows the
+are not compiled. If nothing fits, the levels predicted within that factor of
+the smallest XLA peak are compiled too, so that the error names the truly
+smallest plan, and the scheduler's ``microbatches`` hook may split that plan's
+batch. Without ``compile`` the choice follows the
 predictions alone (``PlanSet.describe``). Every step is recorded, so the "why"
 of a plan is written here, by the code that decided.
 
@@ -154,7 +156,32 @@ def select_level(plans: PlanLike, dims: Mapping[str, int], budget_bytes: int | N
         attempts.append(Attempt(k, predicted[k], peak, "fits" if fits else "over budget"))
         if fits:
             return Selection(k, 1, tuple(attempts), _why(k, start, attempts, budget), budget)
+    if (k := _refine_smallest(predicted, attempts, budget, compile)) is not None:
+        return Selection(k, 1, tuple(attempts), _why(k, start, attempts, budget), budget)
     return _microbatched(plans, predicted, attempts, budget, start, compile, microbatches)
+
+
+def _refine_smallest(predicted: list[int], attempts: list[Attempt], budget: int,
+                     compile: CompileFn) -> int | None:
+    """Compiles the skipped levels that could still be smaller than the smallest measured.
+
+    Nothing fitted so far, so the error (or the microbatch split) will name the
+    smallest plan: a level predicted within ``HOPELESS_FACTOR`` of the smallest XLA
+    peak may really be below it. Returns a level that turns out to fit, if any.
+    """
+    measured = [a.peak_bytes for a in attempts if a.peak_bytes is not None]
+    if not measured:
+        return None
+    for a in list(attempts):  # in the order they were skipped; appended as compiled
+        if (a.outcome == "skipped: predicted far above the budget"
+                and predicted[a.level] <= min(measured) * HOPELESS_FACTOR):
+            peak = compile(a.level, 1)
+            measured.append(peak)
+            attempts.append(Attempt(a.level, a.predicted_peak_bytes, peak,
+                                    "fits" if peak <= budget else "over budget"))
+            if peak <= budget:
+                return a.level
+    return None
 
 
 def _microbatched(plans: PlanLike, predicted: list[int], attempts: list[Attempt], budget: int,

@@ -1,0 +1,189 @@
+"""Segments: where the forward pass narrows to one activation, and plans that re-run them.
+
+A train step's forward pass is a chain of layers joined by a residual stream: at
+the end of each block one activation is all that later forward operations read
+of what came before (besides parameters and a few values every layer shares,
+such as rotary tables or a mask). Those values are *cuts*, found from the
+dataflow graph alone — no names needed. A :class:`SegmentPlan` keeps some cuts
+and recomputes everything else the forward pass would save, one segment (the
+span between two kept cuts) at a time, just before that segment's backward pass:
+per-layer checkpointing found automatically, or longer segments (fewer saved
+cuts) where memory demands it, optionally still saving matmul outputs (as
+``dots_saveable`` does).
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem.graph import build_graph
+    >>> from jaxmem.dims import sym
+    >>> def loss(ws, x):
+    ...     for w in ws:
+    ...         x = x + jnp.tanh(x @ w)
+    ...     return (x ** 2).sum()
+    >>> b, = jax.export.symbolic_shape("b")
+    >>> g = build_graph(jax.make_jaxpr(jax.grad(loss))(
+    ...     [jnp.ones((8, 8))] * 3, jax.ShapeDtypeStruct((b, 8), jnp.float32)))
+    >>> [str(g.values[v].shape) for v in find_segments(g, {sym('b'): 4}).cuts]
+    ['(b, 8)', '(b, 8)', '(b, 8)', '(b, 8)']
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import itertools
+import math
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from jaxmem.graph import Graph
+from jaxmem.plan.residuals import Residual, is_forward
+
+#: A value read across more than this share of the forward pass is shared by the
+#: layers (a rotary table, a mask), not a cut: it is kept by every segment plan.
+SHARED_FRACTION = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """The cuts of a graph's forward pass.
+
+    Attributes:
+        cuts: value ids of the cut activations, in forward order.
+        cut_nodes: index of the node making each cut.
+        shared: activations read across most of the forward pass (kept by every plan).
+        cut_flops: forward FLOPs done before each cut, at the domain's corner.
+        total_flops: forward FLOPs in all, at the domain's corner.
+    """
+
+    cuts: tuple[int, ...]
+    cut_nodes: tuple[int, ...]
+    shared: tuple[int, ...]
+    cut_flops: tuple[float, ...] = ()
+    total_flops: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentPlan:
+    """Which cuts to keep, and what else to save inside the segments.
+
+    Attributes:
+        count: how many segments of about equal forward FLOPs to cut the forward pass
+            into (at most one per cut).
+        save: primitives whose outputs stay saved inside a segment (``dot_general``:
+            matmul outputs, as ``dots_saveable``).
+    """
+
+    count: int
+    save: frozenset[str] = frozenset()
+
+    @property
+    def name(self) -> str:
+        what = f"segments/{self.count}"
+        return what + (f" saving {'+'.join(sorted(self.save))}" if self.save else "")
+
+    def kept(self, segments: Segments) -> tuple[int, ...]:
+        """Indices into ``segments.cuts`` of the cuts kept: the one nearest each boundary
+        of ``count`` equal shares of the forward FLOPs."""
+        n = len(segments.cuts)
+        if n == 0 or self.count <= 1:
+            return ()
+        if self.count > n:
+            return tuple(range(n))
+        out = {min(range(n), key=lambda i: (abs(segments.cut_flops[i] - target), i))
+               for target in (j * segments.total_flops / self.count
+                              for j in range(1, self.count))}
+        return tuple(sorted(out))
+
+
+def batch_inputs(graph: Graph) -> tuple[int, ...]:
+    """Positions of the graph inputs whose shapes hold a symbolic dim (the batch)."""
+    out = tuple(i for i, v in enumerate(graph.inputs) if graph.values[v].nbytes.free_symbols)
+    return out or tuple(range(len(graph.inputs)))
+
+
+def find_segments(graph: Graph, corner: Mapping[Any, int],
+                  batch: Collection[int] | None = None) -> Segments:
+    """The cuts of ``graph``'s forward pass.
+
+    Args:
+        graph: a differentiated graph.
+        corner: where FLOPs are evaluated (sympy symbol -> value; ``{}`` for a
+            concrete graph).
+        batch: positions in ``graph.inputs`` of the batch arguments (activations
+            are what depends on them); default :func:`batch_inputs`. Pass the
+            symbolic graph's positions when analysing its concrete twin.
+    """
+    batch = batch_inputs(graph) if batch is None else batch
+    forward = [n for n in graph.nodes if not n.is_backward and is_forward(n.scope)]
+    where = {n.index: p for p, n in enumerate(forward)}
+    producers = graph.producers
+    inputs = {graph.inputs[i] for i in batch}
+    active = set(inputs)
+    last_read: dict[int, int] = {}
+    for p, n in enumerate(forward):
+        if any(v in active for v in n.inputs):
+            active.update(n.outputs)
+        for v in n.inputs:
+            if producers.get(v) in where or v in inputs:
+                last_read[v] = p
+    crossing: list[frozenset[int]] = []
+    live = {v for v in inputs if v in last_read}
+    for p, n in enumerate(forward):
+        live.update(o for o in n.outputs if o in active and last_read.get(o, -1) > p)
+        live = {v for v in live if last_read[v] > p}
+        crossing.append(frozenset(live))
+    spans = collections.Counter(v for c in crossing for v in c)
+    shared = {v for v, k in spans.items() if k > SHARED_FRACTION * len(forward)}
+    done = list(itertools.accumulate(float(n.flops.subs(corner)) for n in forward))
+    cuts: list[int] = []
+    cut_flops: list[float] = []
+    for p, c in enumerate(crossing):
+        rest = c - shared
+        if len(rest) == 1 and (v := next(iter(rest))) not in cuts and v not in inputs:
+            cuts.append(v)
+            cut_flops.append(done[p])
+    return Segments(tuple(cuts), tuple(producers[v] for v in cuts), tuple(sorted(shared)),
+                    tuple(cut_flops), done[-1] if done else 0.0)
+
+
+def segment_residuals(graph: Graph, segments: Segments, kept: Sequence[int],
+                      save: Collection[str], residuals: Sequence[Residual]
+                      ) -> tuple[list[Residual], set[int]]:
+    """The residuals a segment plan recomputes, and the values it keeps as their sources.
+
+    ``kept`` indexes ``segments.cuts`` (:meth:`SegmentPlan.kept`, taken on the
+    symbolic trace so that every concrete trace keeps the same cuts); ``save`` are
+    the primitives whose outputs stay saved.
+
+    Every forward residual is recomputed from the arguments and the kept cuts,
+    except kept cuts, shared values and the outputs of ``save``'s primitives. Residuals of
+    one segment are rebuilt together (their first use is the segment's earliest),
+    so the segment's forward pass runs once before its backward pass.
+    """
+    cuts = [segments.cuts[i] for i in kept]
+    keep = set(cuts) | set(segments.shared)
+    starts = [graph.producers[v] for v in cuts]
+    members: dict[int, list[Residual]] = collections.defaultdict(list)
+    for r in residuals:
+        if r.value in keep or r.primitive in save or graph.nodes[r.producer].is_backward:
+            continue
+        members[bisect.bisect_right(starts, r.producer)].append(r)
+    chosen = []
+    for rs in members.values():
+        first = min(r.first_use for r in rs)
+        chosen.extend(dataclasses.replace(r, first_use=first) for r in rs)
+    return chosen, keep
+
+
+def segment_candidates(n_cuts: int) -> tuple[SegmentPlan, ...]:
+    """The segment plans worth scoring for a forward pass with ``n_cuts`` cuts.
+
+    From one segment per cut down to about sqrt(n) segments (fewer saved cuts,
+    longer re-runs: the classic sqrt(n) checkpointing trade), each re-running
+    everything; and the finest, saving matmul outputs (cheaper, larger).
+    """
+    counts = sorted({n_cuts + 1, (n_cuts + 1) // 2, (n_cuts + 1) // 4,
+                     math.isqrt(n_cuts + 1)} - {0, 1}, reverse=True)
+    return (*[SegmentPlan(c) for c in counts],
+            SegmentPlan(n_cuts + 1, frozenset({"dot_general"})))
