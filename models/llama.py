@@ -14,6 +14,11 @@ Rotary embeddings follow the Hugging Face convention (``rotate_half`` over the t
 halves of each head), so HF ``*.safetensors`` weights load without permutation
 (see ``models.hf_loader``).
 
+Packed rows (several examples per row, as MaxText trains by default) are optional:
+``Llama(...)(tokens, positions=, segment_ids=)`` restarts RoPE positions per example
+and masks attention block-diagonally (``models.attention``); without these arguments
+the model computes exactly what it computes for one example per row.
+
 Example:
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -32,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+
+from models.attention import apply_rope, attention_mask, rope_tables, segment_positions
 
 #: Names given with ``checkpoint_name`` to activations inside every layer.
 CHECKPOINT_NAMES = (
@@ -197,44 +204,6 @@ def get_config(name: str, **overrides: Any) -> LlamaConfig:
     return config.replace(**overrides) if overrides else config
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """Cosine and sine tables of rotary embeddings, HF layout ``[freqs, freqs]``.
-
-    Args:
-        positions: integer positions, any shape ``P``.
-        head_dim: size of one head (even).
-        theta: base frequency.
-
-    Returns:
-        ``(cos, sin)``, each float32 of shape ``P + (head_dim,)``.
-
-    Example:
-        >>> cos, sin = rope_tables(jnp.arange(3), 4, 10000.0)
-        >>> cos.shape
-        (3, 4)
-    """
-    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate ``x`` of shape ``(b, s, heads, head_dim)`` by tables of shape ``(b, s, head_dim)``.
-
-    Uses HF's ``rotate_half``: ``x * cos + concat(-x2, x1) * sin``.
-
-    Example:
-        >>> cos, sin = rope_tables(jnp.zeros((1, 2), jnp.int32), 4, 10000.0)
-        >>> apply_rope(jnp.ones((1, 2, 1, 4)), cos, sin).tolist()[0][0][0]
-        [1.0, 1.0, 1.0, 1.0]
-    """
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return (x * cos + rotated * sin).astype(x.dtype)
-
-
 class RMSNorm(nnx.Module):
     """Root-mean-square norm, computed in float32 like HF's ``LlamaRMSNorm``."""
 
@@ -278,7 +247,9 @@ class Attention(nnx.Module):
         )
         self.dtype = as_dtype(config.dtype)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
         b, s, _ = x.shape
         kv, g, hd = self.n_kv_heads, self.group_size, self.head_dim
         q = checkpoint_name(self.q_proj(x), "q_proj").reshape(b, s, kv * g, hd)
@@ -289,9 +260,9 @@ class Attention(nnx.Module):
         scores = jnp.einsum(
             "bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32
         ) * (hd**-0.5)
-        causal = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
+        mask = attention_mask(s, segment_ids)  # causal; block-diagonal causal when packed
         scores = checkpoint_name(
-            jnp.where(causal, scores, jnp.finfo(jnp.float32).min), "attn_scores"
+            jnp.where(mask, scores, jnp.finfo(jnp.float32).min), "attn_scores"
         )
         probs = checkpoint_name(jax.nn.softmax(scores, axis=-1).astype(self.dtype), "attn_probs")
         context = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, kv * g * hd)
@@ -323,9 +294,12 @@ class Block(nnx.Module):
         self.mlp_norm = _norm(config)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
         with jax.named_scope("attn"):
-            x = x + self.attn(checkpoint_name(self.attn_norm(x), "attn_norm"), cos, sin)
+            normed = checkpoint_name(self.attn_norm(x), "attn_norm")
+            x = x + self.attn(normed, cos, sin, segment_ids)
         with jax.named_scope("mlp"):
             x = x + self.mlp(checkpoint_name(self.mlp_norm(x), "mlp_norm"))
         return x
@@ -355,22 +329,34 @@ class Llama(nnx.Module):
                                                        config, rngs)
         )
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
         """Return logits of shape ``(b, s, vocab)`` in the compute dtype.
 
         Args:
             tokens: int array ``(b, s)``.
-            positions: optional int array ``(b, s)``; defaults to ``0..s-1`` per row.
+            positions: optional int array ``(b, s)``: each token's position within its
+                own example (RoPE); defaults to ``0..s-1`` per row, or, with
+                ``segment_ids``, to positions restarting at 0 for each segment.
+            segment_ids: optional int array ``(b, s)`` for packed rows: 0 = padding,
+                1.. = the example's number within its row. Attention is then
+                block-diagonal causal: a token sees only earlier tokens of its own
+                segment. Without it the mask is plainly causal, as for one example
+                per row.
         """
         b, s = tokens.shape
-        if positions is None:
+        if positions is None and segment_ids is not None:
+            positions = segment_positions(segment_ids)
+        elif positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         cos, sin = rope_tables(positions, self.config.dim_per_head, self.config.rope_theta)
         with jax.named_scope("embed"):
             x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, segment_ids)
         with jax.named_scope("final_norm"):
             x = self.norm(x)
         with jax.named_scope("lm_head"):

@@ -52,10 +52,14 @@ def numpy_llama(config: LlamaConfig, seed: int = 0) -> Llama:
     return llama_from_tensors(_hf_tensors(config, seed), config)
 
 
-def forward(model: Llama, tokens: jax.Array) -> jax.Array:
-    """The model's logits, jit-compiled (eager op-by-op execution is slow)."""
+def forward(model: Llama, tokens: jax.Array, **packed: jax.Array) -> jax.Array:
+    """The model's logits, jit-compiled (eager op-by-op execution is slow).
+
+    ``packed``: ``positions`` and/or ``segment_ids`` (packed rows).
+    """
     graphdef, state = nnx.split(model)
-    return jax.jit(lambda st, t: nnx.merge(graphdef, st)(t))(state, jnp.asarray(tokens))
+    return jax.jit(lambda st, t, kw: nnx.merge(graphdef, st)(t, **kw))(
+        state, jnp.asarray(tokens), {k: jnp.asarray(v) for k, v in packed.items()})
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -153,6 +157,68 @@ def test_named_scopes_and_checkpoint_names() -> None:
     assert names == set(CHECKPOINT_NAMES)
     for expected in ("layer_0/attn", "layer_1/mlp", "embed", "lm_head"):
         assert any(expected in s for s in scopes), expected
+
+
+# ---------------------------------------------------------------- packed rows
+
+
+def _packed_row(lengths: list[int], s: int, seed: int = 0) -> tuple[np.ndarray, ...]:
+    """One row of ``s`` positions holding examples of ``lengths``, then padding."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, SMALL.vocab_size, (1, s)).astype(np.int32)
+    segment_ids = np.zeros((1, s), np.int32)
+    positions = np.zeros((1, s), np.int32)
+    start = 0
+    for k, n in enumerate(lengths, start=1):
+        segment_ids[0, start : start + n], positions[0, start : start + n] = k, np.arange(n)
+        start += n
+    return tokens, segment_ids, positions
+
+
+def test_unpacked_call_is_unchanged_and_equals_one_segment_per_row() -> None:
+    """Without segment ids the model is what it was; full rows, one segment each, agree."""
+    model = numpy_llama(SMALL)
+    tokens = _tokens(3, 13, SMALL.vocab_size)
+    plain = forward(model, tokens)
+    ones = jnp.ones((3, 13), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(13, dtype=jnp.int32), (3, 13))
+    np.testing.assert_array_equal(forward(model, tokens, positions=positions), plain)
+    np.testing.assert_allclose(forward(model, tokens, segment_ids=ones, positions=positions),
+                               plain, rtol=1e-5, atol=1e-5)  # same values, other fusions
+    # one segment per row, right-padded: the real positions see what the unpadded rows see
+    segment_ids = jnp.asarray(np.arange(13) < np.array([[13], [9], [4]]), jnp.int32)
+    packed = forward(model, tokens, segment_ids=segment_ids, positions=positions)
+    for row, n in enumerate((13, 9, 4)):
+        np.testing.assert_allclose(packed[row, :n], forward(model, tokens[row : row + 1, :n])[0],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_each_packed_segment_equals_its_example_alone() -> None:
+    model = numpy_llama(SMALL, seed=2)
+    lengths = [5, 8, 3]
+    tokens, segment_ids, positions = _packed_row(lengths, 20)
+    packed = forward(model, tokens, segment_ids=segment_ids, positions=positions)
+    derived = forward(model, tokens, segment_ids=segment_ids)  # positions from segment ids
+    real = segment_ids[0] > 0  # padding (its positions differ, 0 vs 0, 1, ...) is unused
+    np.testing.assert_allclose(packed[:, real], derived[:, real], rtol=1e-5, atol=1e-5)
+    start = 0
+    for n in lengths:
+        alone = forward(model, tokens[:, start : start + n])
+        np.testing.assert_allclose(packed[:, start : start + n], alone, rtol=1e-5, atol=1e-5)
+        start += n
+
+
+def test_segments_see_neither_each_other_nor_padding() -> None:
+    model = numpy_llama(SMALL, seed=3)
+    tokens, segment_ids, positions = _packed_row([6, 6, 4], 19)
+    other = tokens.copy()
+    other[0, 6:12] = (other[0, 6:12] + 1) % SMALL.vocab_size  # segment 2
+    other[0, 16:] = (other[0, 16:] + 7) % SMALL.vocab_size  # padding
+    a = forward(model, tokens, segment_ids=segment_ids, positions=positions)
+    b = forward(model, other, segment_ids=segment_ids, positions=positions)
+    keep = (segment_ids[0] == 1) | (segment_ids[0] == 3)
+    np.testing.assert_array_equal(a[0, keep], b[0, keep])
+    assert not np.allclose(a[0, 6:12], b[0, 6:12])
 
 
 # ---------------------------------------------------------------- HF checkpoints

@@ -14,6 +14,9 @@ of ``pad_multiple`` (default 1 = off: exact shapes, as jaxmem wants them; 8 trad
 The plan is a pure function of ``(lengths, batch_size, seed, window_batches)``, so
 ``batch_indices(step)`` is the same in a resumed run as in an uninterrupted one.
 
+The other plan is packing (``--packing``, :mod:`train.packing`): several examples per
+row of a fixed length, one batch shape; :func:`pad_stats` accounts for either.
+
 Example:
     >>> batcher = LengthGroupedBatcher(np.arange(1, 101), batch_size=4, seed=0)
     >>> batcher.batches_per_epoch, len(batcher.batch_indices(7))
@@ -27,6 +30,7 @@ import dataclasses
 import numpy as np
 
 from train.data import Example
+from train.packing import PackedBatcher
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -103,6 +107,10 @@ class LengthGroupedBatcher:
         """Length the batch of ``indices`` is padded to."""
         return round_up(int(self.lengths[indices].max()), self.pad_multiple)
 
+    def batch_shape(self, indices: np.ndarray) -> tuple[int, int]:
+        """``(rows, positions per row)`` of the batch of ``indices``: one example per row."""
+        return len(indices), self.padded_length(indices)
+
 
 def collate(
     examples: list[Example], indices: np.ndarray, pad_id: int, seq_len: int
@@ -152,14 +160,17 @@ class PadStats:
         return 1.0 - self.real_tokens / self.positions if self.positions else 0.0
 
 
-def pad_stats(batcher: LengthGroupedBatcher, steps: int, pad_to: int | None = None) -> PadStats:
+def pad_stats(
+    batcher: LengthGroupedBatcher | PackedBatcher, steps: int, pad_to: int | None = None
+) -> PadStats:
     """Padding of the first ``steps`` batches of ``batcher``'s plan.
 
     Args:
-        batcher: the batch plan.
+        batcher: the batch plan: length-grouped, or packed (several examples per row,
+            ``train.packing``; its padding is what the packed rows leave empty).
         steps: number of batches, from step 0.
-        pad_to: pad every batch to this length instead of its own longest row
-            (e.g. the data set's longest sequence, for comparison).
+        pad_to: lay out every batch's examples one per row padded to this length
+            instead (e.g. the data set's longest sequence, for comparison).
 
     Example:
         >>> b = LengthGroupedBatcher(np.array([10, 10, 30, 30]), batch_size=2, seed=0)
@@ -170,8 +181,9 @@ def pad_stats(batcher: LengthGroupedBatcher, steps: int, pad_to: int | None = No
     shapes = set()
     for step in range(steps):
         indices = batcher.batch_indices(step)
-        seq_len = pad_to if pad_to is not None else batcher.padded_length(indices)
+        rows, seq_len = (len(indices), pad_to) if pad_to is not None else batcher.batch_shape(
+            indices)
         real += int(batcher.lengths[indices].sum())
-        positions += len(indices) * seq_len
-        shapes.add((len(indices), seq_len))
+        positions += rows * seq_len
+        shapes.add((rows, seq_len))
     return PadStats(real, positions, len(shapes))

@@ -107,11 +107,13 @@ class TrainConfig:
     max_records: int | None = None
     window_batches: int = 50
     pad_multiple: int = 1
+    packing: bool = False
     mesh: dict[str, int] | None = None
     ckpt_every: int = 10
     stop_after_steps: int | None = None
     compile_workers: int = 2
     compile_ahead: int = 8
+    cache_dir: str | None = None
     progress: bool = True
 
     def trajectory_key(self) -> dict[str, object]:
@@ -123,7 +125,7 @@ class TrainConfig:
         """
         keys = ("model", "steps", "batch_size", "max_len", "lr", "warmup_steps",
                 "min_lr_ratio", "weight_decay", "clip_norm", "seed", "dtype", "param_dtype",
-                "init_from", "max_records", "window_batches", "pad_multiple")
+                "init_from", "max_records", "window_batches", "pad_multiple", "packing")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -162,14 +164,22 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--window-batches", type=int, default=50, help="sort lengths within windows of N batches")
     arg("--pad-multiple", type=int, default=1,
         help="round each batch's length up to a multiple of this (1 = exact shapes)")
+    arg("--packing", action="store_true",
+        help="pack several examples into each row of --max-len positions (segment ids; one "
+             "batch shape, one compile) instead of one example per row")
     arg("--mesh", default=None, help="shard over devices, e.g. data=2,fsdp=2")
     arg("--ckpt-every", type=int, default=10, help="save every N steps (and at the end)")
     arg("--stop-after-steps", type=int, default=None,
         help="stop (with a checkpoint) after N steps of this invocation; rerun to resume")
     arg("--compile-workers", type=int, default=2,
-        help="background threads compiling upcoming batch shapes (xla; 0 = off)")
+        help="background threads compiling upcoming batch shapes (xla and jaxmem; 0 = off)")
     arg("--compile-ahead", type=int, default=8,
-        help="how many upcoming steps' shapes to compile in the background")
+        help="compile at least this many upcoming steps' shapes in the background "
+             "(the rest of the current epoch is always announced)")
+    arg("--cache-dir", default=None, metavar="DIR",
+        help="keep compiled executables in JAX's persistent compilation cache in DIR and "
+             "reuse them in later runs (every compile is kept, also those under JAX's "
+             "1 s minimum); default: off")
     arg("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -202,7 +212,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         min_lr_ratio=ns.min_lr_ratio, weight_decay=ns.weight_decay, clip_norm=ns.clip_norm,
         seed=ns.seed, dtype=ns.dtype, param_dtype=ns.param_dtype, tokenizer=ns.tokenizer,
         init_from=ns.init_from, max_records=ns.max_records, window_batches=ns.window_batches,
-        pad_multiple=ns.pad_multiple, mesh=mesh, ckpt_every=ns.ckpt_every,
+        pad_multiple=ns.pad_multiple, packing=ns.packing, mesh=mesh, ckpt_every=ns.ckpt_every,
         stop_after_steps=ns.stop_after_steps, progress=not ns.no_progress,
         compile_workers=ns.compile_workers, compile_ahead=ns.compile_ahead,
+        cache_dir=ns.cache_dir,
     )

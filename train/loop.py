@@ -35,7 +35,8 @@ from train.batching import LengthGroupedBatcher, collate, pad_stats
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig
 from train.data import Dataset, load_dataset
-from train.runner import make_runner
+from train.packing import PackedBatcher, collate_packed
+from train.runner import enable_compilation_cache, make_runner
 from train.sharding import batch_sharding, make_mesh, state_shardings
 from train.step import init_state, make_optimizer, make_train_step
 from train.tokenizer import Tokenizer, load_tokenizer
@@ -96,7 +97,7 @@ class Setup:
 
     tokenizer: Tokenizer
     dataset: Dataset
-    batcher: LengthGroupedBatcher
+    batcher: LengthGroupedBatcher | PackedBatcher
     config: LlamaConfig
     tx: Any
     schedule: Any
@@ -110,8 +111,10 @@ def build(cfg: TrainConfig) -> Setup:
     """Load data and tokenizer, plan batches, and describe model, optimizer and layout."""
     tokenizer = load_tokenizer(cfg.tokenizer)
     dataset = load_dataset(cfg.data, tokenizer, cfg.max_len, cfg.max_records)
-    batcher = LengthGroupedBatcher(dataset.lengths, cfg.batch_size, cfg.seed,
-                                   cfg.window_batches, cfg.pad_multiple)
+    batcher = (PackedBatcher(dataset.lengths, cfg.batch_size, cfg.max_len, cfg.seed,
+                             cfg.window_batches) if cfg.packing else
+               LengthGroupedBatcher(dataset.lengths, cfg.batch_size, cfg.seed,
+                                    cfg.window_batches, cfg.pad_multiple))
     config = model_config(cfg, tokenizer)
     tx, schedule = make_optimizer(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio,
                                   cfg.weight_decay, cfg.clip_norm)
@@ -170,15 +173,25 @@ def train_loop(
     bar = tqdm(total=cfg.steps, initial=result.step, disable=not cfg.progress, file=sys.stderr,
                desc=f"{cfg.model}/{cfg.scheduler}", unit="step", dynamic_ncols=True)
     start = time.perf_counter()
+    announced = result.step  # steps before this one had their shapes sent to compile_ahead
     with stop_on_signals() as flag, contextlib.closing(bar):
         while result.step < end and flag["signum"] is None:
             step = result.step
+            # In run order, each step once: the rest of this epoch (its batches are
+            # planned already) and at least --compile-ahead steps.
+            epoch_end = (step // batcher.batches_per_epoch + 1) * batcher.batches_per_epoch
+            upto = min(end, max(epoch_end, step + cfg.compile_ahead))
             runner.compile_ahead(
                 (cfg.batch_size, batcher.padded_length(batcher.batch_indices(k)))
-                for k in range(step, min(end, step + cfg.compile_ahead)))
+                for k in range(announced, upto))
+            announced = max(announced, upto)
             indices = batcher.batch_indices(step)
-            host = collate(setup.dataset.examples, indices, setup.tokenizer.pad_id,
-                           batcher.padded_length(indices))
+            if cfg.packing:  # rows of --max-len positions, several examples each
+                host = collate_packed(setup.dataset.examples, batcher.batch_rows(step),
+                                      setup.tokenizer.pad_id, cfg.max_len)
+            else:
+                host = collate(setup.dataset.examples, indices, setup.tokenizer.pad_id,
+                               batcher.padded_length(indices))
             state, metrics = runner(state, jax.device_put(host, setup.batch_sharding))
             loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -224,12 +237,14 @@ def run(cfg: TrainConfig) -> tuple[dict[str, Any], int]:
             match the checkpoint (:class:`ResumeMismatchError`).
     """
     wall_start = time.perf_counter()
+    if cfg.cache_dir:
+        enable_compilation_cache(cfg.cache_dir)  # before anything compiles
     setup = build(cfg)
     runner = make_runner(
         cfg.scheduler, make_train_step(setup.graphdef, setup.tx), state_spec=setup.state_spec,
         batch_sharding=setup.batch_sharding, mesh=setup.mesh is not None,
         batch_size=cfg.batch_size, max_len=cfg.max_len, budget_bytes=cfg.budget_bytes,
-        compile_workers=cfg.compile_workers,
+        compile_workers=cfg.compile_workers, packed=cfg.packing,
     )
     meta = {"trajectory": json.loads(json.dumps(cfg.trajectory_key())),
             "data_fingerprint": setup.dataset.fingerprint(), "losses": [],
@@ -259,7 +274,7 @@ def make_summary(
     cfg: TrainConfig, setup: Setup, runner: Any, result: LoopResult, meta: dict[str, Any],
     resumed_from: int | None,
 ) -> dict[str, Any]:
-    """The JSON summary (DESIGN.md §2 keys first, then details)."""
+    """The JSON summary (docs/design.md §2 keys first, then details)."""
     lengths, losses, step = setup.dataset.lengths, meta["losses"], result.step
     own = pad_stats(setup.batcher, step)
     to_longest = pad_stats(setup.batcher, step, pad_to=int(lengths.max()))
@@ -284,6 +299,7 @@ def make_summary(
         "param_count": setup.config.num_params(),
         "devices": setup.mesh.size if setup.mesh else 1,
         "budget_bytes": cfg.budget_bytes,
+        "packing": setup.batcher.describe() if cfg.packing else None,
         "fits_budget": None if cfg.budget_bytes is None else peak_max <= cfg.budget_bytes,
         "peak_bytes_by_shape": {f"{b}x{s}": v for (b, s), v in peaks.items()},
         "predicted_peak_bytes_by_shape": {

@@ -1,9 +1,12 @@
 """How a train step is compiled and run: plain ``jax.jit`` or ``jaxmem.jit``.
 
 Both runners compile one executable per concrete batch shape (no padding to
-buckets), record its peak bytes as DESIGN.md §2 defines them
+buckets), record its peak bytes as docs/design.md §2 defines them
 (``argument + output - alias + temp`` of ``compiled.memory_analysis()``), and count
-distinct executables.
+distinct executables. Shapes announced with ``compile_ahead`` are compiled on
+``compile_workers`` background threads while steps run (XLA's compile releases the
+GIL); ``wait_s`` is the time steps spent waiting for the compiler, ``compile_s`` the
+wall time during which a compile was queued or running.
 
 Example:
     >>> runner = XlaRunner(train_step, state_spec, compile_workers=2)  # doctest: +SKIP
@@ -15,10 +18,12 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -33,8 +38,45 @@ class JaxmemUnavailableError(RuntimeError):
     """``--scheduler jaxmem`` was asked for, but the installed jaxmem has no ``jit``."""
 
 
-def batch_spec(shape: Shape, sharding: Any = None) -> dict[str, jax.ShapeDtypeStruct]:
-    """Abstract batch of ``shape`` as ``train.batching.collate`` makes it.
+def enable_compilation_cache(directory: str | Path) -> None:
+    """Keep every executable this process compiles in JAX's persistent cache at ``directory``.
+
+    A later run that compiles the same program at the same shapes, with the same
+    options, JAX/XLA version and backend, loads the executable from there instead
+    of compiling it. Only XLA's compile is saved: jaxmem's analysis and per-shape
+    planning still run. JAX by default skips compiles under 1 s
+    (``jax_persistent_cache_min_compile_time_secs``), which is most CPU compiles;
+    here every compile and entry size is kept. Takes effect only if nothing in the
+    process has compiled yet.
+
+    Example:
+        >>> enable_compilation_cache("/tmp/jax-cache")  # doctest: +SKIP
+    """
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of ``[start, end]`` intervals (overlaps counted once).
+
+    Example:
+        >>> busy_seconds([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)])
+        4.0
+    """
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def batch_spec(
+    shape: Shape, sharding: Any = None, packed: bool = False
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """Abstract batch of ``shape`` as ``train.batching.collate`` makes it (``packed``:
+    as ``train.packing.collate_packed`` does, with ``segment_ids`` and ``positions``).
 
     Example:
         >>> batch_spec((8, 100))["loss_mask"].dtype
@@ -43,8 +85,9 @@ def batch_spec(shape: Shape, sharding: Any = None) -> dict[str, jax.ShapeDtypeSt
     def spec(dtype: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
+    packing = {"segment_ids": spec(jnp.int32), "positions": spec(jnp.int32)} if packed else {}
     return {"tokens": spec(jnp.int32), "targets": spec(jnp.int32),
-            "loss_mask": spec(jnp.float32)}
+            "loss_mask": spec(jnp.float32), **packing}
 
 
 class XlaRunner:
@@ -68,7 +111,7 @@ class XlaRunner:
 
     def __init__(
         self, train_step: Callable[..., Any], state_spec: Any, batch_sharding: Any = None,
-        mesh_shardings: bool = False, compile_workers: int = 0,
+        mesh_shardings: bool = False, compile_workers: int = 0, packed: bool = False,
     ) -> None:
         kwargs = {}
         if mesh_shardings:
@@ -76,12 +119,13 @@ class XlaRunner:
             kwargs = {"in_shardings": (state_sh, batch_sharding), "out_shardings": (state_sh, None)}
         self.jitted = jax.jit(train_step, donate_argnums=0, **kwargs)
         self.state_spec, self.batch_sharding = state_spec, batch_sharding
+        self.packed = packed  # batches of packed rows (--packing)
         self._pool = ThreadPoolExecutor(compile_workers) if compile_workers > 0 else None
         self._compiled: dict[Shape, Future[jax.stages.Compiled]] = {}
         self._lock = threading.Lock()
+        self._busy: list[tuple[float, float]] = []  # [start, end] of every compile
         self.peaks: dict[Shape, int] = {}
         self.predicted: dict[Shape, int] = {}
-        self.compile_s = 0.0  # summed compile time of all executables (any thread)
         self.wait_s = 0.0  # time the caller spent waiting for the compiler
 
     @property
@@ -89,17 +133,24 @@ class XlaRunner:
         """Number of distinct executables compiled (background ones included)."""
         return sum(not f.cancelled() for f in self._compiled.values())
 
+    @property
+    def compile_s(self) -> float:
+        """Wall seconds during which at least one compile ran (any thread)."""
+        with self._lock:
+            return busy_seconds(self._busy)
+
     def _compile(self, shape: Shape) -> jax.stages.Compiled:
         start = time.perf_counter()
-        compiled = self.jitted.lower(self.state_spec, batch_spec(shape, self.batch_sharding))
+        compiled = self.jitted.lower(self.state_spec,
+                                     batch_spec(shape, self.batch_sharding, self.packed))
         compiled = compiled.compile()
         with self._lock:
-            self.compile_s += time.perf_counter() - start
+            self._busy.append((start, time.perf_counter()))
             self.peaks[shape] = xla_peak_bytes(compiled)
         return compiled
 
     def compile_ahead(self, shapes: Iterable[Shape]) -> None:
-        """Start compiling ``shapes`` in the background (no-op without workers)."""
+        """Start compiling ``shapes`` in the background, in order (no-op without workers)."""
         if self._pool is None:
             return
         for shape in shapes:
@@ -132,15 +183,24 @@ class XlaRunner:
 
 
 class JaxmemRunner:
-    """``jaxmem.jit`` per DESIGN.md §2, within ``budget_bytes``.
+    """``jaxmem.jit`` per docs/design.md §2, within ``budget_bytes``.
+
+    Shapes announced with :meth:`compile_ahead` are planned and compiled by
+    ``Jitted.precompile`` on ``compile_workers`` background threads, distinct shapes
+    in parallel; a step whose shape is still being compiled waits for that compile
+    instead of compiling it again.
 
     Args:
         train_step: ``(state, batch) -> (state, metrics)``.
         batch_size: largest ``b`` (constraint ``b <= batch_size``).
         max_len: largest ``s`` (constraint ``s <= max_len``).
         budget_bytes: per-device budget, or ``None``.
-        state_shardings: shardings of the state (``--mesh``), else ``None``.
-        batch_sharding: sharding of every batch array (``--mesh``), else ``None``.
+        state_spec: ``ShapeDtypeStruct`` pytree (with shardings) of the state; needed
+            to compile ahead (the state itself is donated, so only its spec is used).
+        batch_sharding: sharding of every batch array.
+        mesh_shardings: pass ``in_shardings``/``out_shardings`` to ``jaxmem.jit``
+            (``--mesh``).
+        compile_workers: background compile threads; 0 plans on first use only.
 
     Raises:
         JaxmemUnavailableError: the installed jaxmem has no ``jit`` yet.
@@ -150,7 +210,8 @@ class JaxmemRunner:
 
     def __init__(
         self, train_step: Callable[..., Any], batch_size: int, max_len: int,
-        budget_bytes: int | None, state_shardings: Any = None, batch_sharding: Any = None,
+        budget_bytes: int | None, state_spec: Any = None, batch_sharding: Any = None,
+        mesh_shardings: bool = False, compile_workers: int = 0, packed: bool = False,
     ) -> None:
         try:
             import jaxmem
@@ -158,13 +219,14 @@ class JaxmemRunner:
             jit = jaxmem.jit
         except (ImportError, AttributeError) as e:
             raise JaxmemUnavailableError(
-                "--scheduler jaxmem needs jaxmem.jit (DESIGN.md section 2), which this "
+                "--scheduler jaxmem needs jaxmem.jit (docs/design.md section 2), which this "
                 f"checkout does not provide yet ({e}); use --scheduler xla meanwhile"
             ) from e
         kwargs = {}
-        if state_shardings is not None:
-            kwargs = {"in_shardings": (state_shardings, batch_sharding),
-                      "out_shardings": (state_shardings, None)}
+        if mesh_shardings:
+            state_sh = jax.tree.map(lambda x: x.sharding, state_spec)
+            kwargs = {"in_shardings": (state_sh, batch_sharding),
+                      "out_shardings": (state_sh, None)}
         self.step = jit(
             train_step,
             polymorphic_shapes=(None, "b, s"),
@@ -173,24 +235,64 @@ class JaxmemRunner:
             donate_argnums=(0,),
             **kwargs,
         )
+        self.state_spec, self.batch_sharding = state_spec, batch_sharding
+        self.compile_workers, self.packed = compile_workers, packed
+        self._ahead: dict[Shape, Future[Any]] = {}
         self._plans: dict[Shape, Any] = {}
+        self._lock = threading.Lock()
+        self._busy: list[tuple[float, float]] = []  # [start, end] of planning/compiling
         self.peaks: dict[Shape, int] = {}
         self.predicted: dict[Shape, int] = {}
-        self.compile_s = self.wait_s = 0.0
+        self.wait_s = 0.0  # time steps spent waiting for their plan
 
     @property
     def compiles(self) -> int:
-        """Number of distinct executables behind the plans used."""
-        return len({id(plan.compiled) for plan in self._plans.values()})
+        """Number of distinct executables planned (background ones included)."""
+        return self.step.compiles
+
+    @property
+    def compile_s(self) -> float:
+        """Wall seconds during which a plan was being made (queued or compiling, any thread)."""
+        with self._lock:
+            return busy_seconds(self._busy)
+
+    def _record(self, start: float, end: float) -> None:
+        with self._lock:
+            self._busy.append((start, end))
+
+    def compile_ahead(self, shapes: Iterable[Shape]) -> None:
+        """Plan and compile ``shapes`` on background threads, in the order given.
+
+        A no-op without ``compile_workers`` or ``state_spec``; shapes already
+        announced or planned are skipped.
+        """
+        if self.compile_workers < 1 or self.state_spec is None:
+            return
+        new = [s for s in dict.fromkeys(tuple(s) for s in shapes)
+               if s not in self._ahead and s not in self._plans]
+        if not new:
+            return
+        start = time.perf_counter()
+        futures = self.step.precompile(
+            [(self.state_spec, batch_spec(s, self.batch_sharding, self.packed)) for s in new],
+            background=True, workers=self.compile_workers)
+        for shape, future in zip(new, futures, strict=True):
+            self._ahead[shape] = future
+            future.add_done_callback(lambda _, t=start: self._record(t, time.perf_counter()))
 
     def prepare(self, state: Any, batch: dict[str, Any]) -> Any:
-        """Plan (once) for ``batch``'s shape; record measured and predicted peaks."""
+        """Plan (once) for ``batch``'s shape; record measured and predicted peaks.
+
+        A shape compiled ahead is awaited (a background compile in progress is not
+        repeated); any other is planned here.
+        """
         shape = tuple(batch["tokens"].shape)
         if shape not in self._plans:
             start = time.perf_counter()
             plan = self.step.plan_for(state, batch)
-            self.compile_s += time.perf_counter() - start
-            self.wait_s = self.compile_s
+            end = time.perf_counter()
+            self.wait_s += end - start
+            self._record(start, end)
             self._plans[shape] = plan
             self.peaks[shape] = xla_peak_bytes(plan.compiled)
             self.predicted[shape] = int(plan.predicted_peak_bytes)
@@ -204,17 +306,18 @@ class JaxmemRunner:
         """jaxmem's own account of the plan for ``shape``."""
         return self._plans[shape].describe()
 
-    def compile_ahead(self, shapes: Iterable[Shape]) -> None:
-        """No-op: planning ahead is jaxmem's own business."""
-
     def close(self) -> None:
-        """Nothing to release."""
+        """Cancel announced compiles that have not started; wait for those running."""
+        for future in self._ahead.values():
+            future.cancel()
+        concurrent.futures.wait([f for f in self._ahead.values() if not f.cancelled()])
+        self.step.close()
 
 
 def make_runner(
     scheduler: str, train_step: Callable[..., Any], *, state_spec: Any, batch_sharding: Any,
     mesh: bool, batch_size: int, max_len: int, budget_bytes: int | None,
-    compile_workers: int = 0,
+    compile_workers: int = 0, packed: bool = False,
 ) -> XlaRunner | JaxmemRunner:
     """The runner for ``--scheduler`` (``"xla"`` or ``"jaxmem"``).
 
@@ -225,12 +328,12 @@ def make_runner(
         batch_sharding: sharding of every batch array.
         mesh: whether the run is sharded over a mesh (shardings go to the jit).
         batch_size, max_len, budget_bytes: the jaxmem constraints and budget.
-        compile_workers: background compile threads (xla).
+        compile_workers: background compile threads (both schedulers).
+        packed: batches hold packed rows (``segment_ids`` and ``positions`` too).
     """
     if scheduler == "xla":
-        return XlaRunner(train_step, state_spec, batch_sharding, mesh, compile_workers)
+        return XlaRunner(train_step, state_spec, batch_sharding, mesh, compile_workers, packed)
     if scheduler == "jaxmem":
-        state_sh = jax.tree.map(lambda x: x.sharding, state_spec) if mesh else None
-        return JaxmemRunner(train_step, batch_size, max_len, budget_bytes, state_sh,
-                            batch_sharding if mesh else None)
+        return JaxmemRunner(train_step, batch_size, max_len, budget_bytes, state_spec,
+                            batch_sharding, mesh, compile_workers, packed)
     raise ValueError(f"--scheduler must be 'xla' or 'jaxmem', got {scheduler!r}")

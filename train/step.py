@@ -5,7 +5,10 @@ The state is a plain pytree::
     {"params": nnx.State, "opt_state": optax state, "step": int32 scalar}
 
 and a batch is ``{"tokens": int32 (b, s), "targets": int32 (b, s), "loss_mask": float32
-(b, s)}``. ``train_step`` closes over the model's (static) graph definition and the
+(b, s)}``; a batch of packed rows (``train.packing``) also holds ``segment_ids`` and
+``positions`` (int32 (b, s)), which the step then passes to the model (and only
+then). The loss is the same quantity either way: the mean cross-entropy over the
+batch's real targets. ``train_step`` closes over the model's (static) graph definition and the
 optimizer only, so ``jax.jit`` and ``jaxmem.jit`` can treat it as an ordinary function.
 
 Example:
@@ -116,7 +119,11 @@ def make_train_step(
 
     def loss_fn(params: nnx.State, batch: Batch) -> tuple[jax.Array, jax.Array]:
         model = nnx.merge(graphdef, params)
-        logits = model(batch["tokens"])
+        if "segment_ids" in batch:  # packed rows: several examples per row
+            logits = model(batch["tokens"], positions=batch["positions"],
+                           segment_ids=batch["segment_ids"])
+        else:
+            logits = model(batch["tokens"])
         return masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
 
     def train_step(state: State, batch: Batch) -> tuple[State, dict[str, jax.Array]]:

@@ -329,6 +329,13 @@ class Jitted:
         self.retries += 1
         return plan.run(*args)
 
+    def close(self) -> None:
+        """Cancels queued background compiles and ends the compile threads (plans made so
+        far stay usable; a later ``precompile`` starts new threads)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
     def precompile(self, shapes: Iterable[Sequence[Any]], background: bool = True,
                    workers: int = 2) -> list[concurrent.futures.Future[Plan]]:
         """Plans and compiles ahead for argument specs the caller expects.
