@@ -165,8 +165,8 @@ def lower_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tuple
         run: Any = analysis.flat_fn
     else:
         rewritten = rewrite_level(analysis, k, dims, dynamic, apply_order, microbatches, axis)
-        body, enforced = as_function(rewritten.graph, rewritten.order_enforced), \
-            rewritten.order_enforced
+        enforced = rewritten.order_enforced
+        body = as_function(rewritten.graph, enforce_order=enforced)
 
         def run(*dyn: Any) -> Any:
             flat = body(*jax.tree_util.tree_leaves(dyn))
