@@ -27,7 +27,6 @@ from typing import Any
 
 import jax
 
-from jaxmem.dims import sym
 from jaxmem.grad import microbatching
 from jaxmem.graph import Graph, JaxmemWarning, build_graph
 from jaxmem.plan.analysis import Analysis, as_struct
@@ -105,17 +104,14 @@ def rewrite_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tup
     return Rewritten(rewritten, jax.tree_util.tree_structure(out_shape), enforced)
 
 
-
 def _apply_segments(analysis: Analysis, plan: SegmentPlan, graph: Graph,
                     residuals: tuple[Residual, ...]) -> Graph:
-    """A segment level on the concrete trace: the same rule, on this trace's own cuts."""
-    corner = {sym(n): v for n, v in analysis.domain.corner().items()}
-    symbolic = find_segments(analysis.graph, corner)
-    segs = find_segments(graph, {}, batch_inputs(analysis.graph))
-    if len(segs.cuts) != len(symbolic.cuts):
+    """A segment level on the concrete trace: the cuts the planner kept, found again here."""
+    segs = find_segments(graph, batch=batch_inputs(analysis.graph))
+    if len(segs.cuts) != plan.n_cuts:
         warnings.warn(f"jaxmem: the concrete trace has {len(segs.cuts)} forward cuts where the "
-                      f"symbolic one has {len(symbolic.cuts)}; {plan.name} is not applied at "
-                      "this shape", JaxmemWarning, stacklevel=4)
+                      f"symbolic one has {plan.n_cuts}; {plan.name} is not applied at this "
+                      "shape", JaxmemWarning, stacklevel=4)
         return graph
-    chosen, keep = segment_residuals(graph, segs, plan.kept(symbolic), plan.save, residuals)
+    chosen, keep = segment_residuals(graph, segs, plan, residuals)
     return apply_remat(graph, chosen, (), residuals, keep, long_chains=True)

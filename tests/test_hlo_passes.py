@@ -325,7 +325,7 @@ def test_format_timeline_plot():
     assert str(tl) == format_timeline(tl) and "\n" not in repr(tl)
 
 
-@pytest.mark.parametrize("module", ["hlo_text", "liveness", "order", "plot", "timeline",
+@pytest.mark.parametrize("module", ["hlo_text", "liveness", "order", "timeline",
                                     "xla_proto", "fallback"])
 def test_docstring_examples_run(module):
     failures, _ = doctest.testmod(importlib.import_module(f"hlo_passes.{module}"))

@@ -52,8 +52,8 @@ def test_cuts_are_found_without_names_one_residual_stream_per_layer(program):
     streams = [v for v in segs.cuts if str(graph.values[v].shape) == f"(b, s, {CONFIG['d']})"
                and graph.nodes[graph.producers[v]].primitive == "add"]
     assert len(streams) >= LAYERS, segs
-    assert SegmentPlan(len(segs.cuts) + 1).kept(segs) == tuple(range(len(segs.cuts)))
-    assert len(SegmentPlan(2).kept(segs)) == 1 and SegmentPlan(1).kept(segs) == ()
+    assert SegmentPlan(len(segs.cuts) + 1).resolved(segs).kept == tuple(range(len(segs.cuts)))
+    assert len(SegmentPlan(2).resolved(segs).kept) == 1 and SegmentPlan(1).resolved(segs).kept == ()
 
 
 def test_segment_candidates_run_from_finest_to_sqrt_n():

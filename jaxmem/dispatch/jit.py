@@ -86,11 +86,6 @@ class Jitted:
         if not callable(fun):
             raise TypeError(f"jaxmem.jit expects a callable, got {type(fun).__name__}")
         check_choices(scheduler, offload, offload_costs)
-        self._settings = dict(
-            polymorphic_shapes=polymorphic_shapes, constraints=constraints, scheduler=scheduler,
-            donate_argnums=donate_argnums, static_argnums=static_argnums,
-            in_shardings=in_shardings, out_shardings=out_shardings, symbolic=symbolic,
-            offload=offload, offload_costs=offload_costs)
         self.fun = fun
         self.polymorphic_shapes = check_shapes(polymorphic_shapes)
         self.constraints = check_constraints(constraints)
@@ -160,7 +155,12 @@ class Jitted:
     def with_budget(self, budget_bytes: int | None) -> Jitted:
         """The same function under another budget, sharing this one's analyses (which do
         not depend on the budget) but none of its plans or executables."""
-        other = Jitted(self.fun, budget_bytes=budget_bytes, **self._settings)
+        other = Jitted(self.fun, polymorphic_shapes=self.polymorphic_shapes,
+                       constraints=self.constraints, budget_bytes=budget_bytes,
+                       scheduler=self.scheduler, donate_argnums=self.donate_argnums,
+                       static_argnums=self.static_argnums, in_shardings=self.in_shardings,
+                       out_shardings=self.out_shardings, symbolic=self.symbolic,
+                       offload=self.offload, offload_costs=self.offload_costs)
         other._analyses = self._analyses
         return other
 
@@ -168,7 +168,7 @@ class Jitted:
         """Makes calls shaped like ``args`` run ``plan`` (one from :meth:`compile_level`, or
         one whose executable is wrapped, e.g. to inject a fault in a test)."""
         static, dynamic = self._split(args)
-        key = self._key(static, dynamic)
+        key = call_key(static, dynamic)
         with self._lock:
             self._plans.put(key, plan)
             self._fast.clear()
@@ -186,9 +186,6 @@ class Jitted:
 
     def _split(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         return split_args(args, self.static_argnums)
-
-    def _key(self, static: tuple[Any, ...], dynamic: tuple[Any, ...]) -> Any:
-        return call_key(static, dynamic)
 
     def _analysis(self, static: tuple[Any, ...], dynamic: tuple[Any, ...]) -> Analysis:
         flat, tree = jax.tree_util.tree_flatten(dynamic)
@@ -210,7 +207,7 @@ class Jitted:
             BudgetInfeasibleError: no plan fits the budget.
         """
         static, dynamic = self._split(args)
-        key = self._key(static, dynamic)
+        key = call_key(static, dynamic)
         return self._plans.get_or_make(key, lambda: self._make_plan(static, dynamic))
 
     def _make_plan(self, static: tuple[Any, ...], dynamic: tuple[Any, ...],
@@ -314,7 +311,7 @@ class Jitted:
                 f"inputs {', '.join(gone)}, so the step cannot be retried") from err
         budget = max(1, int(failed.peak_bytes * RETRY_BUDGET_FACTOR))
         static, dynamic = self._split(args)
-        key = self._key(static, dynamic)
+        key = call_key(static, dynamic)
         with self._lock:
             try:
                 plan = self._make_plan(static, dynamic, budget, skip=frozenset({failed.level}))

@@ -46,23 +46,20 @@ class Buffer:
     note: str = ""
 
 
-def liveness(graph: Graph, order: Sequence[int] | None = None,
-             donated: Sequence[int] = ()) -> tuple[Buffer, ...]:
+def liveness(graph: Graph, order: Sequence[int] | None = None) -> tuple[Buffer, ...]:
     """Buffers and their live ranges when the graph runs in ``order``.
 
     Args:
         graph: the graph.
         order: a permutation of node indices (program order when None).
-        donated: indices into ``graph.inputs`` whose buffers outputs may reuse.
-            Donation changes no live range (an argument lives for the whole run
-            either way); :func:`jaxmem.memory.model.memory_model` subtracts the
-            aliased bytes.
+
+    Donation changes no live range (an argument lives for the whole run either way);
+    :func:`jaxmem.memory.model.memory_model` subtracts the aliased bytes.
 
     Returns:
         One :class:`Buffer` per materialised value, then the buffers XLA adds
         (transposed dot operands, broadcast epilogue operands).
     """
-    del donated  # see Args
     order = list(range(len(graph.nodes))) if order is None else list(order)
     owner = materialised(graph)
     srcs = _buffer_sources(graph, owner)

@@ -136,7 +136,7 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
         A :class:`MemoryModel`.
     """
     order = list(range(len(graph.nodes))) if order is None else list(order)
-    buffers = liveness(graph, order, donated)
+    buffers = liveness(graph, order)
     n = len(order)
     tally: collections.Counter[str] = collections.Counter()
     extra = _subgraph_temps(graph, order, dom, symbolic)

@@ -329,9 +329,8 @@ class _Greedy:
         if len(segs.cuts) < 2:
             return
         candidates = []
-        for plan in segment_candidates(len(segs.cuts)):
-            chosen, keep = segment_residuals(self.graph, segs, plan.kept(segs), plan.save,
-                                             self.residuals)
+        for plan in (p.resolved(segs) for p in segment_candidates(len(segs.cuts))):
+            chosen, keep = segment_residuals(self.graph, segs, plan, self.residuals)
             chains = recompute_chains(self.graph, chosen, self.residuals, keep, True)
             if not chains:
                 continue

@@ -72,28 +72,35 @@ class SegmentPlan:
             into (at most one per cut).
         save: primitives whose outputs stay saved inside a segment (``dot_general``:
             matmul outputs, as ``dots_saveable``).
+        kept: indices into the symbolic trace's cuts of the cuts kept, and
+        n_cuts: how many cuts that trace has; both set by :meth:`resolved`, once, so
+            that every concrete trace keeps the same cuts.
     """
 
     count: int
     save: frozenset[str] = frozenset()
+    kept: tuple[int, ...] = ()
+    n_cuts: int = 0
 
     @property
     def name(self) -> str:
         what = f"segments/{self.count}"
         return what + (f" saving {'+'.join(sorted(self.save))}" if self.save else "")
 
-    def kept(self, segments: Segments) -> tuple[int, ...]:
-        """Indices into ``segments.cuts`` of the cuts kept: the one nearest each boundary
-        of ``count`` equal shares of the forward FLOPs."""
+    def resolved(self, segments: Segments) -> SegmentPlan:
+        """This plan on ``segments`` (the symbolic trace's): the cut kept nearest each
+        boundary of ``count`` equal shares of the forward FLOPs."""
         n = len(segments.cuts)
         if n == 0 or self.count <= 1:
-            return ()
-        if self.count > n:
-            return tuple(range(n))
-        out = {min(range(n), key=lambda i: (abs(segments.cut_flops[i] - target), i))
-               for target in (j * segments.total_flops / self.count
-                              for j in range(1, self.count))}
-        return tuple(sorted(out))
+            kept: tuple[int, ...] = ()
+        elif self.count > n:
+            kept = tuple(range(n))
+        else:
+            kept = tuple(sorted({
+                min(range(n), key=lambda i: (abs(segments.cut_flops[i] - target), i))
+                for target in (j * segments.total_flops / self.count
+                               for j in range(1, self.count))}))
+        return dataclasses.replace(self, kept=kept, n_cuts=n)
 
 
 def batch_inputs(graph: Graph) -> tuple[int, ...]:
@@ -102,14 +109,14 @@ def batch_inputs(graph: Graph) -> tuple[int, ...]:
     return out or tuple(range(len(graph.inputs)))
 
 
-def find_segments(graph: Graph, corner: Mapping[Any, int],
+def find_segments(graph: Graph, corner: Mapping[Any, int] | None = None,
                   batch: Collection[int] | None = None) -> Segments:
     """The cuts of ``graph``'s forward pass.
 
     Args:
         graph: a differentiated graph.
-        corner: where FLOPs are evaluated (sympy symbol -> value; ``{}`` for a
-            concrete graph).
+        corner: where FLOPs are evaluated (sympy symbol -> value); None skips the
+            FLOPs (a concrete trace only needs its cuts).
         batch: positions in ``graph.inputs`` of the batch arguments (activations
             are what depends on them); default :func:`batch_inputs`. Pass the
             symbolic graph's positions when analysing its concrete twin.
@@ -135,7 +142,8 @@ def find_segments(graph: Graph, corner: Mapping[Any, int],
         crossing.append(frozenset(live))
     spans = collections.Counter(v for c in crossing for v in c)
     shared = {v for v, k in spans.items() if k > SHARED_FRACTION * len(forward)}
-    done = list(itertools.accumulate(float(n.flops.subs(corner)) for n in forward))
+    done = (list(itertools.accumulate(float(n.flops.subs(corner)) for n in forward))
+            if corner is not None else [0.0] * len(forward))
     cuts: list[int] = []
     cut_flops: list[float] = []
     for p, c in enumerate(crossing):
@@ -147,26 +155,23 @@ def find_segments(graph: Graph, corner: Mapping[Any, int],
                     tuple(cut_flops), done[-1] if done else 0.0)
 
 
-def segment_residuals(graph: Graph, segments: Segments, kept: Sequence[int],
-                      save: Collection[str], residuals: Sequence[Residual]
-                      ) -> tuple[list[Residual], set[int]]:
-    """The residuals a segment plan recomputes, and the values it keeps as their sources.
+def segment_residuals(graph: Graph, segments: Segments, plan: SegmentPlan,
+                      residuals: Sequence[Residual]) -> tuple[list[Residual], set[int]]:
+    """The residuals a resolved ``plan`` recomputes, and the values it keeps as sources.
 
-    ``kept`` indexes ``segments.cuts`` (:meth:`SegmentPlan.kept`, taken on the
-    symbolic trace so that every concrete trace keeps the same cuts); ``save`` are
-    the primitives whose outputs stay saved.
+    ``segments`` are ``graph``'s own cuts; ``plan.kept`` indexes them.
 
     Every forward residual is recomputed from the arguments and the kept cuts,
-    except kept cuts, shared values and the outputs of ``save``'s primitives. Residuals of
+    except kept cuts, shared values and the outputs of ``plan.save``'s primitives. Residuals of
     one segment are rebuilt together (their first use is the segment's earliest),
     so the segment's forward pass runs once before its backward pass.
     """
-    cuts = [segments.cuts[i] for i in kept]
+    cuts = [segments.cuts[i] for i in plan.kept]
     keep = set(cuts) | set(segments.shared)
     starts = [graph.producers[v] for v in cuts]
     members: dict[int, list[Residual]] = collections.defaultdict(list)
     for r in residuals:
-        if r.value in keep or r.primitive in save or graph.nodes[r.producer].is_backward:
+        if r.value in keep or r.primitive in plan.save or graph.nodes[r.producer].is_backward:
             continue
         members[bisect.bisect_right(starts, r.producer)].append(r)
     chosen = []

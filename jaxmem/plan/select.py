@@ -100,11 +100,15 @@ class Selection:
     @property
     def smallest(self) -> Attempt | None:
         """The attempt with the lowest peak: XLA's where compiled, else the prediction."""
-        measured = [a for a in self.attempts if a.peak_bytes is not None]
-        pool = measured or [a for a in self.attempts if not a.outcome.startswith("skipped")]
-        if not pool:
-            return None
-        return min(pool, key=lambda a: a.peak_bytes if measured else a.predicted_peak_bytes)
+        return _smallest(self.attempts)
+
+
+def _smallest(attempts: Sequence[Attempt]) -> Attempt | None:
+    measured = [a for a in attempts if a.peak_bytes is not None]
+    pool = measured or [a for a in attempts if not a.outcome.startswith("skipped")]
+    if not pool:
+        return None
+    return min(pool, key=lambda a: a.peak_bytes if measured else a.predicted_peak_bytes)
 
 
 def select_level(plans: PlanLike, dims: Mapping[str, int], budget_bytes: int | None,
@@ -188,7 +192,7 @@ def _microbatched(plans: PlanLike, predicted: list[int], attempts: list[Attempt]
                   start: int, compile: CompileFn, microbatches: MicrobatchFn | None
                   ) -> Selection:
     """The scheduler's microbatch count k > 1 at the smallest plan, if one fits."""
-    best = Selection(None, 1, tuple(attempts), "", budget).smallest
+    best = _smallest(attempts)
     if best is not None and microbatches is not None:
         made: dict[int, int] = {}
 

@@ -62,15 +62,12 @@ class ShapeDomain:
         upper: upper bound per symbol, or None when unbounded.
         constraints: the general constraints (``b*s <= 4096``), each with its text;
             single-symbol bounds are in ``lower`` and ``upper`` instead.
-        constraint_text: every declared constraint on these symbols as the user
-            wrote it, bounds included.
     """
 
     symbols: tuple[str, ...]
     lower: tuple[int, ...]
     upper: tuple[int | None, ...]
     constraints: tuple[Constraint, ...] = ()
-    constraint_text: tuple[str, ...] = ()
 
     @staticmethod
     def from_constraints(symbols: Iterable[str], constraints: Iterable[str] = ()) -> ShapeDomain:
@@ -116,7 +113,7 @@ class ShapeDomain:
             if hi is not None and hi < lower[n]:
                 raise SymbolicError(f"constraints leave symbol {n!r} empty: {lower[n]} > {hi}")
         return ShapeDomain(symbols, tuple(lower[n] for n in symbols),
-                           tuple(upper[n] for n in symbols), tuple(general), texts)
+                           tuple(upper[n] for n in symbols), tuple(general))
 
     def bounds(self, name: str) -> tuple[int, int | None]:
         """The range of symbol ``name``.
