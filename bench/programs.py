@@ -149,7 +149,7 @@ def reshape_program(width: int = 256, max_b: int = 64, max_s: int = 1024) -> Pro
 # --- GPT ---------------------------------------------------------------------------------------
 
 
-def _layer_norm(x: jax.Array, p: Mapping[str, jax.Array]) -> jax.Array:
+def layer_norm(x: jax.Array, p: Mapping[str, jax.Array]) -> jax.Array:
     mu = x.mean(-1, keepdims=True)
     var = ((x - mu) ** 2).mean(-1, keepdims=True)
     return (x - mu) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
@@ -172,7 +172,7 @@ def causal_attention(x: jax.Array, p: Mapping[str, Any], heads: int) -> jax.Arra
     return ctx @ p["out"]["w"] + p["out"]["b"]
 
 
-def _sinusoid(s: Any, d: int) -> jax.Array:
+def sinusoid(s: Any, d: int) -> jax.Array:
     pos = jnp.arange(s, dtype=jnp.float32)[:, None]
     freq = jnp.exp(-jnp.arange(0, d, 2, dtype=jnp.float32) * (math.log(10000.0) / d))
     ang = pos * freq
@@ -199,18 +199,18 @@ def gpt_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
 
     def layer(x: jax.Array, p: Any) -> jax.Array:
         if not mlp_only:
-            x = x + causal_attention(_layer_norm(x, p["ln1"]), p, heads)
-        h = jax.nn.gelu(_layer_norm(x, p["ln2"]) @ p["fc"]["w"] + p["fc"]["b"])
+            x = x + causal_attention(layer_norm(x, p["ln1"]), p, heads)
+        h = jax.nn.gelu(layer_norm(x, p["ln2"]) @ p["fc"]["w"] + p["fc"]["b"])
         return x + h @ p["proj"]["w"] + p["proj"]["b"]
 
     if remat_policy is not None:
         layer = jax.checkpoint(layer, policy=remat_policy)
 
     def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
-        x = params["embed"][tokens] + _sinusoid(tokens.shape[1], d)
+        x = params["embed"][tokens] + sinusoid(tokens.shape[1], d)
         for p in params["blocks"]:
             x = layer(x, p)
-        logits = _layer_norm(x, params["ln_f"]) @ params["head"]
+        logits = layer_norm(x, params["ln_f"]) @ params["head"]
         targets = jnp.roll(tokens, -1, axis=1)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 

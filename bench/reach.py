@@ -11,7 +11,9 @@ process, as ratios to the per-layer checkpoint.
     python -m bench.reach [--quick] [--repeats N] --out bench/results/reach.json
 
 Programs: ``gpt``, the plain-JAX GPT of :mod:`bench.programs` (Python loop over
-layers, no named scopes), and ``llama``, the project's Flax NNX tiny Llama.
+layers, no named scopes); ``gpt-scan``, the same with ``lax.scan`` over stacked
+layer parameters; ``linen``, a Flax linen decoder written here (``nn.remat`` as the
+hand policy); and ``llama``, the project's Flax NNX tiny Llama.
 """
 
 from __future__ import annotations
@@ -54,6 +56,89 @@ def gpt_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
             "hand": {k: make(v).step for k, v in POLICIES.items()},
             "args": (_concrete(p.state, 0), tokens), "constraints": p.constraints,
             "poly": (None, "b, s")}
+
+
+def gpt_scan_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
+    """The same GPT with ``lax.scan`` over stacked layer parameters (how MaxText and
+    Levanter write it); the hand policy wraps the scanned body in ``jax.checkpoint``."""
+    import optax
+
+    from bench.programs import causal_attention, layer_norm, optax_step, sinusoid
+
+    base = gpt_case(b, s, layers, d)
+    heads = max(1, d // 64)
+    state = base["args"][0]
+    params = state[0] if isinstance(state, tuple) else state
+
+    def make(policy: Any = None) -> Callable[..., Any]:
+        def layer(x: jax.Array, p: Any) -> tuple[jax.Array, None]:
+            x = x + causal_attention(layer_norm(x, p["ln1"]), p, heads)
+            h = jax.nn.gelu(layer_norm(x, p["ln2"]) @ p["fc"]["w"] + p["fc"]["b"])
+            return x + h @ p["proj"]["w"] + p["proj"]["b"], None
+
+        body = layer if policy is None else jax.checkpoint(layer, policy=policy)
+
+        def loss_fn(ps: Any, tokens: jax.Array) -> jax.Array:
+            x = ps["embed"][tokens] + sinusoid(tokens.shape[1], d)
+            x, _ = jax.lax.scan(body, x, ps["blocks"])
+            logits = layer_norm(x, ps["ln_f"]) @ ps["head"]
+            targets = jnp.roll(tokens, -1, axis=1)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+        return optax_step(loss_fn, optax.adamw(1e-3))
+
+    stacked = dict(params, blocks=jax.tree_util.tree_map(lambda *xs: jnp.stack(xs),
+                                                         *params["blocks"]))
+    opt_state = optax.adamw(1e-3).init(stacked)
+    return {"name": f"gpt{layers}x{d} with lax.scan over stacked layers", "step": make(),
+            "hand": {k: make(v) for k, v in POLICIES.items()},
+            "args": ((stacked, opt_state), base["args"][1]),
+            "constraints": base["constraints"], "poly": base["poly"]}
+
+
+def linen_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
+    """A Flax linen decoder (its own modules, ``nn.remat`` as the hand policy)."""
+    import flax.linen as nn
+    import optax
+
+    from bench.programs import optax_step
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            h = nn.LayerNorm()(x)
+            h = nn.SelfAttention(num_heads=max(1, d // 64), deterministic=True)(
+                h, mask=nn.make_causal_mask(jnp.ones(x.shape[:2])))
+            x = x + h
+            return x + nn.Dense(d)(nn.gelu(nn.Dense(4 * d)(nn.LayerNorm()(x))))
+
+    def make(policy: Any = None) -> tuple[Callable[..., Any], Any]:
+        block = Block if policy is None else nn.remat(Block, policy=policy)
+
+        class Decoder(nn.Module):
+            @nn.compact
+            def __call__(self, tokens: jax.Array) -> jax.Array:
+                x = nn.Embed(256, d)(tokens)
+                for i in range(layers):  # named, so nn.remat keeps the params' paths
+                    x = block(name=f"block_{i}")(x)
+                return nn.Dense(256)(nn.LayerNorm()(x))
+
+        model = Decoder()
+
+        def loss_fn(ps: Any, tokens: jax.Array) -> jax.Array:
+            logits = model.apply(ps, tokens)
+            targets = jnp.roll(tokens, -1, axis=1)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+        return optax_step(loss_fn, optax.adamw(1e-3)), model
+
+    step, model = make()
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (b, s)), jnp.int32)
+    params = model.init(jax.random.key(0), tokens)
+    state = (params, optax.adamw(1e-3).init(params))
+    return {"name": f"Flax linen decoder {layers}x{d}", "step": step,
+            "hand": {k: make(v)[0] for k, v in POLICIES.items()}, "args": (state, tokens),
+            "constraints": (f"b <= {b}", f"s <= {s}"), "poly": (None, "b, s")}
 
 
 def llama_case(b: int, s: int) -> dict[str, Any]:
@@ -101,17 +186,21 @@ def measure(case: dict[str, Any], repeats: int, log: Callable[[str], None]) -> d
     row["budgets"] = {}
     for label, budget in budgets.items():
         g = f.with_budget(budget)
+        t0 = time.perf_counter()
         try:
             plan = g.plan_for(*args)
         except jaxmem.BudgetInfeasibleError as e:
             row["budgets"][label] = {"budget_bytes": budget, "fits": False,
                                      "min_peak_bytes": e.min_peak_bytes}
             continue
+        plan_s = time.perf_counter() - t0  # selection and its compiles, analysis shared
+        compiles = sum(a.peak_bytes is not None for a in plan.selection.attempts)
         ratio = time_paired(lambda g=g: g(*args), lambda: ns(*args), repeats)[2]
         row["budgets"][label] = {"budget_bytes": budget, "fits": plan.peak_bytes <= budget,
                                  "level": plan.level, "peak_bytes": plan.peak_bytes,
                                  "predicted_peak_bytes": plan.predicted_peak_bytes,
-                                 "time_vs_checkpoint": ratio}
+                                 "time_vs_checkpoint": ratio, "compiles": compiles,
+                                 "plan_s": plan_s}
     log(_format(row))
     return row
 
@@ -130,7 +219,8 @@ def _format(row: dict[str, Any]) -> str:
             lines.append(f"  budget {label} {hb(r['budget_bytes'])}: does NOT fit")
             continue
         lines.append(f"  budget {label} {hb(r['budget_bytes'])}: level {r['level']}, "
-                     f"{hb(r['peak_bytes'])}, time {r['time_vs_checkpoint']:.2f} x checkpoint")
+                     f"{hb(r['peak_bytes'])}, time {r['time_vs_checkpoint']:.2f} x checkpoint; "
+                     f"{r['compiles']} compile(s), {r['plan_s']:.1f} s to plan")
     return "\n".join(lines)
 
 
@@ -138,10 +228,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small shapes (CI-sized)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--programs", default="gpt,llama")
+    ap.add_argument("--programs", default="gpt,gpt-scan,linen,llama")
     add_output_arguments(ap, "reach.json")
     a = ap.parse_args(argv)
     cases = {"gpt": lambda: gpt_case(*((2, 64, 3, 64) if a.quick else (4, 256, 4, 256))),
+             "gpt-scan": lambda: gpt_scan_case(*((2, 64, 3, 64) if a.quick
+                                                 else (4, 256, 4, 256))),
+             "linen": lambda: linen_case(*((2, 64, 3, 64) if a.quick else (4, 256, 4, 256))),
              "llama": lambda: llama_case(*((2, 64) if a.quick else (8, 512)))}
     log = TextTable()
     rows = [measure(cases[name](), a.repeats, log) for name in a.programs.split(",")]
