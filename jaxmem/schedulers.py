@@ -29,6 +29,7 @@ import sympy
 from jaxmem.errors import ScheduleError
 from jaxmem.graph import Graph, Node, Value
 from jaxmem.memory import materialised, memory_model
+from jaxmem.plan.compiles import CompilePlan, CompileProblem
 from jaxmem.symbolic import Cmp, Comparison, ShapeDomain, compare, lowers_somewhere
 
 
@@ -82,6 +83,12 @@ class Scheduler:
         """Number of microbatches at ``dims``; ``fits(k)`` says if k would fit the budget."""
         del dims, fits
         return 1
+
+    def compile_plan(self, problem: CompileProblem) -> CompilePlan | None:
+        """Which shapes to compile for announced calls (``Jitted.plan_compiles``); None
+        leaves it to jaxmem's optimiser, :func:`jaxmem.plan.compiles.plan_compiles`."""
+        del problem
+        return None
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())

@@ -112,6 +112,9 @@ class SpyRunner:
     def compile_ahead(self, shapes) -> None:
         self.announced.append(list(shapes))
 
+    def plan_shapes(self, shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        return list(shapes)
+
     def __call__(self, state: dict, batch: dict) -> tuple[dict, dict]:
         shape = tuple(batch["tokens"].shape)
         self.ran.append(shape)
@@ -137,3 +140,50 @@ def test_loop_announces_each_epoch_up_front_in_run_order() -> None:
     assert runner.announced[0] == runner.ran[:5]  # the whole first epoch before step 0 runs
     for k, n in enumerate(runner.announced_before_run):  # rest of the epoch, >= 3 ahead
         assert n == min(14, max((k // 5 + 1) * 5, k + 3)), k
+
+
+class PaddingSpy(SpyRunner):
+    """A compile plan that runs every batch padded to length 20."""
+
+    def plan_shapes(self, shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        return [(b, 20) for b, _ in shapes]
+
+
+def test_loop_runs_batches_at_the_planned_lengths_and_keeps_them_for_resume() -> None:
+    lengths = [3, 17, 5, 11, 8, 2, 14, 6, 9, 12]
+    examples = [Example(np.arange(n + 1, dtype=np.int32), prompt_len=1) for n in lengths]
+    batcher = LengthGroupedBatcher(np.array(lengths), batch_size=2, seed=0, window_batches=2)
+    setup = types.SimpleNamespace(
+        batcher=batcher, dataset=types.SimpleNamespace(examples=examples),
+        tokenizer=types.SimpleNamespace(pad_id=0), batch_sharding=None)
+    cfg = parse_args(["--steps", "6", "--batch-size", "2", "--no-progress"])
+    runner, meta = PaddingSpy(), {"losses": [], "run_lengths": {"5": 18}}  # step 5: decided
+    train_loop(cfg, setup, runner, {"step": 0}, meta, None)
+    assert runner.ran == [(2, 20)] * 5 + [(2, 18)]
+    assert meta["run_lengths"] == {**{str(k): 20 for k in range(5)}, "5": 18}
+
+
+def test_a_right_padded_batch_gives_the_exact_shape_results() -> None:
+    """What makes the compile plan's padding legal: loss and gradient norm of a causal,
+    loss-masked step do not change when the batch is right-padded."""
+    import jax
+    from flax import nnx
+
+    from models.llama import Llama, get_config
+    from train.batching import collate
+    from train.step import init_state, make_optimizer, make_train_step
+
+    config = get_config("tiny").replace(n_layers=1)
+    tx, _ = make_optimizer(1e-3, 10, 1, 0.1, 0.0, 1.0)
+    graphdef, state = init_state(Llama(config, rngs=nnx.Rngs(0)), tx)
+    step = jax.jit(make_train_step(graphdef, tx))
+    rng = np.random.default_rng(0)
+    examples = [Example(rng.integers(0, 256, n + 1).astype(np.int32), prompt_len=2)
+                for n in (9, 13)]
+    exact = collate(examples, np.arange(2), 0, 13)
+    padded = collate(examples, np.arange(2), 0, 29)
+    _, m_exact = step(state, exact)
+    _, m_padded = step(state, padded)
+    np.testing.assert_allclose(float(m_padded["loss"]), float(m_exact["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(float(m_padded["grad_norm"]), float(m_exact["grad_norm"]),
+                               rtol=1e-4)

@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -161,7 +162,8 @@ class PadStats:
 
 
 def pad_stats(
-    batcher: LengthGroupedBatcher | PackedBatcher, steps: int, pad_to: int | None = None
+    batcher: LengthGroupedBatcher | PackedBatcher, steps: int, pad_to: int | None = None,
+    run_lengths: Mapping[str, int] | None = None,
 ) -> PadStats:
     """Padding of the first ``steps`` batches of ``batcher``'s plan.
 
@@ -171,6 +173,8 @@ def pad_stats(
         steps: number of batches, from step 0.
         pad_to: lay out every batch's examples one per row padded to this length
             instead (e.g. the data set's longest sequence, for comparison).
+        run_lengths: step (as a string) -> the length that step ran at, where a compile
+            plan padded it further than the batch plan.
 
     Example:
         >>> b = LengthGroupedBatcher(np.array([10, 10, 30, 30]), batch_size=2, seed=0)
@@ -183,6 +187,8 @@ def pad_stats(
         indices = batcher.batch_indices(step)
         rows, seq_len = (len(indices), pad_to) if pad_to is not None else batcher.batch_shape(
             indices)
+        if pad_to is None and run_lengths and str(step) in run_lengths:
+            seq_len = max(seq_len, run_lengths[str(step)])
         real += int(batcher.lengths[indices].sum())
         positions += rows * seq_len
         shapes.add((rows, seq_len))

@@ -113,6 +113,7 @@ class TrainConfig:
     stop_after_steps: int | None = None
     compile_workers: int = 2
     compile_ahead: int = 8
+    compile_plan: str = "cost"
     cache_dir: str | None = None
     progress: bool = True
 
@@ -176,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--compile-ahead", type=int, default=8,
         help="compile at least this many upcoming steps' shapes in the background "
              "(the rest of the current epoch is always announced)")
+    arg("--compile-plan", default="cost", choices=("cost", "exact"),
+        help="jaxmem only. cost: jaxmem chooses which batch shapes to compile and runs "
+             "the other batches right-padded to one of them (padding is loss-masked, so "
+             "results are unchanged), for the least predicted compile + step seconds; "
+             "exact: one executable per batch shape")
     arg("--cache-dir", default=None, metavar="DIR",
         help="keep compiled executables in JAX's persistent compilation cache in DIR and "
              "reuse them in later runs (every compile is kept, also those under JAX's "
@@ -215,5 +221,5 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         pad_multiple=ns.pad_multiple, packing=ns.packing, mesh=mesh, ckpt_every=ns.ckpt_every,
         stop_after_steps=ns.stop_after_steps, progress=not ns.no_progress,
         compile_workers=ns.compile_workers, compile_ahead=ns.compile_ahead,
-        cache_dir=ns.cache_dir,
+        cache_dir=ns.cache_dir, compile_plan=ns.compile_plan,
     )

@@ -158,6 +158,20 @@ class LoopResult:
     signum: int | None = None
 
 
+def announce(cfg: TrainConfig, batcher: Any, runner: Any, run_lengths: dict[str, int],
+             steps: range) -> None:
+    """Fixes the length each of ``steps`` runs at and starts compiling those shapes.
+
+    A step's length is decided once, when it is first announced, and kept in
+    ``run_lengths`` (saved with checkpoints, so a resumed run pads as the first did).
+    """
+    new = [k for k in steps if str(k) not in run_lengths]
+    shapes = [(cfg.batch_size, batcher.padded_length(batcher.batch_indices(k))) for k in new]
+    for k, (_, length) in zip(new, runner.plan_shapes(shapes), strict=True):
+        run_lengths[str(k)] = length
+    runner.compile_ahead((cfg.batch_size, run_lengths[str(k)]) for k in steps)
+
+
 def train_loop(
     cfg: TrainConfig, setup: Setup, runner: Any, state: Any, meta: dict[str, Any],
     ckpt: Checkpointer | None,
@@ -174,6 +188,7 @@ def train_loop(
                desc=f"{cfg.model}/{cfg.scheduler}", unit="step", dynamic_ncols=True)
     start = time.perf_counter()
     announced = result.step  # steps before this one had their shapes sent to compile_ahead
+    meta.setdefault("run_lengths", {})
     with stop_on_signals() as flag, contextlib.closing(bar):
         while result.step < end and flag["signum"] is None:
             step = result.step
@@ -181,9 +196,9 @@ def train_loop(
             # planned already) and at least --compile-ahead steps.
             epoch_end = (step // batcher.batches_per_epoch + 1) * batcher.batches_per_epoch
             upto = min(end, max(epoch_end, step + cfg.compile_ahead))
-            runner.compile_ahead(
-                (cfg.batch_size, batcher.padded_length(batcher.batch_indices(k)))
-                for k in range(announced, upto))
+            if getattr(runner, "calibrating", False):
+                upto = step + 1  # time one step before planning the rest
+            announce(cfg, batcher, runner, meta["run_lengths"], range(announced, upto))
             announced = max(announced, upto)
             indices = batcher.batch_indices(step)
             if cfg.packing:  # rows of --max-len positions, several examples each
@@ -191,7 +206,7 @@ def train_loop(
                                       setup.tokenizer.pad_id, cfg.max_len)
             else:
                 host = collate(setup.dataset.examples, indices, setup.tokenizer.pad_id,
-                               batcher.padded_length(indices))
+                               meta["run_lengths"][str(step)])
             state, metrics = runner(state, jax.device_put(host, setup.batch_sharding))
             loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -244,10 +259,10 @@ def run(cfg: TrainConfig) -> tuple[dict[str, Any], int]:
         cfg.scheduler, make_train_step(setup.graphdef, setup.tx), state_spec=setup.state_spec,
         batch_sharding=setup.batch_sharding, mesh=setup.mesh is not None,
         batch_size=cfg.batch_size, max_len=cfg.max_len, budget_bytes=cfg.budget_bytes,
-        compile_workers=cfg.compile_workers, packed=cfg.packing,
+        compile_workers=cfg.compile_workers, packed=cfg.packing, compile_plan=cfg.compile_plan,
     )
     meta = {"trajectory": json.loads(json.dumps(cfg.trajectory_key())),
-            "data_fingerprint": setup.dataset.fingerprint(), "losses": [],
+            "data_fingerprint": setup.dataset.fingerprint(), "losses": [], "run_lengths": {},
             "model_config": dataclasses.asdict(setup.config)}
     ckpt = Checkpointer(cfg.ckpt_dir) if cfg.ckpt_dir else None
     try:
@@ -256,6 +271,7 @@ def run(cfg: TrainConfig) -> tuple[dict[str, Any], int]:
             state, saved = ckpt.restore(setup.state_spec)
             _check_resume(saved, meta, ckpt)
             meta["losses"] = list(saved["losses"])
+            meta["run_lengths"] = dict(saved.get("run_lengths", {}))
         else:
             state = initial_state(cfg, setup)
         result = train_loop(cfg, setup, runner, state, meta, ckpt)
@@ -276,7 +292,7 @@ def make_summary(
 ) -> dict[str, Any]:
     """The JSON summary (docs/design.md §2 keys first, then details)."""
     lengths, losses, step = setup.dataset.lengths, meta["losses"], result.step
-    own = pad_stats(setup.batcher, step)
+    own = pad_stats(setup.batcher, step, run_lengths=meta.get("run_lengths"))
     to_longest = pad_stats(setup.batcher, step, pad_to=int(lengths.max()))
     peaks = {s: runner.peaks[s] for s in sorted(result.used_shapes)}
     peak_max = max(peaks.values(), default=0)
@@ -306,6 +322,9 @@ def make_summary(
             f"{b}x{s}": runner.predicted[b, s] for (b, s) in peaks if (b, s) in runner.predicted},
         "peak_plan": runner.describe(max(peaks, key=peaks.get)) if peaks else None,
         "compile_s": runner.compile_s,
+        "compile_plans": [p.describe() for p in getattr(runner, "compile_plans", [])],
+        "compile_plan_predicted_s": sum(p.predicted_s for p in getattr(runner, "compile_plans",
+                                                                       [])),
         "compile_wait_s": wait_s,
         "loop_s": loop_s,
         "steps_this_run": step - (resumed_from or 0),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -157,6 +157,10 @@ class XlaRunner:
             if shape not in self._compiled:
                 self._compiled[shape] = self._pool.submit(self._compile, shape)
 
+    def plan_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
+        """The shape each announced batch runs at: its own (plain XLA pads nothing)."""
+        return list(shapes)
+
     def prepare(self, batch: dict[str, Any]) -> jax.stages.Compiled:
         """The executable for ``batch``'s shape (compiled now, or awaited)."""
         shape = tuple(batch["tokens"].shape)
@@ -201,6 +205,9 @@ class JaxmemRunner:
         mesh_shardings: pass ``in_shardings``/``out_shardings`` to ``jaxmem.jit``
             (``--mesh``).
         compile_workers: background compile threads; 0 plans on first use only.
+        compile_plan: ``"cost"``: :meth:`plan_shapes` lets ``Jitted.plan_compiles`` choose
+            the shapes to compile, padding the sequence dim ``s`` (exact here: padded
+            positions are loss-masked and the model is causal); ``"exact"``: none padded.
 
     Raises:
         JaxmemUnavailableError: the installed jaxmem has no ``jit`` yet.
@@ -212,6 +219,7 @@ class JaxmemRunner:
         self, train_step: Callable[..., Any], batch_size: int, max_len: int,
         budget_bytes: int | None, state_spec: Any = None, batch_sharding: Any = None,
         mesh_shardings: bool = False, compile_workers: int = 0, packed: bool = False,
+        compile_plan: str = "cost",
     ) -> None:
         try:
             import jaxmem
@@ -237,6 +245,8 @@ class JaxmemRunner:
         )
         self.state_spec, self.batch_sharding = state_spec, batch_sharding
         self.compile_workers, self.packed = compile_workers, packed
+        self.compile_plan = compile_plan
+        self.compile_plans: list[Any] = []  # the CompilePlan of every announcement
         self._ahead: dict[Shape, Future[Any]] = {}
         self._plans: dict[Shape, Any] = {}
         self._lock = threading.Lock()
@@ -280,6 +290,33 @@ class JaxmemRunner:
             self._ahead[shape] = future
             future.add_done_callback(lambda _, t=start: self._record(t, time.perf_counter()))
 
+    @property
+    def calibrating(self) -> bool:
+        """Whether no step has been timed yet: the compile plan then has no measured step
+        time to weigh padding against, so the loop announces one step first."""
+        return self.compile_plan == "cost" and not self.step.costs.steps
+
+    def plan_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
+        """The shape each announced batch runs at, from jaxmem's compile plan.
+
+        With ``compile_plan="cost"`` (and a state spec, unpacked rows), the shapes go to
+        ``Jitted.plan_compiles`` with ``s`` paddable; otherwise each runs as it is.
+        """
+        if (self.compile_plan != "cost" or self.state_spec is None or self.packed
+                or not shapes):
+            return list(shapes)
+        start = time.perf_counter()
+        plan = self.step.plan_compiles(
+            [(self.state_spec, batch_spec(s, self.batch_sharding)) for s in shapes], ("s",))
+        self._record(start, time.perf_counter())
+        self.compile_plans.append(plan)
+        out = []
+        for b, s in shapes:
+            cover = dict(zip(plan.names, plan.cover(tuple({"b": b, "s": s}[n]
+                                                          for n in plan.names)), strict=True))
+            out.append((cover["b"], cover["s"]))
+        return out
+
     def prepare(self, state: Any, batch: dict[str, Any]) -> Any:
         """Plan (once) for ``batch``'s shape; record measured and predicted peaks.
 
@@ -299,8 +336,11 @@ class JaxmemRunner:
         return self._plans[shape]
 
     def __call__(self, state: Any, batch: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        self.prepare(state, batch)
-        return self.step(state, batch)
+        plan = self.prepare(state, batch)
+        start = time.perf_counter()
+        out = jax.block_until_ready(self.step(state, batch))  # the loop reads the loss next
+        self.step.costs.record_step(plan.dims, time.perf_counter() - start)
+        return out
 
     def describe(self, shape: Shape) -> str:
         """jaxmem's own account of the plan for ``shape``."""
@@ -317,7 +357,7 @@ class JaxmemRunner:
 def make_runner(
     scheduler: str, train_step: Callable[..., Any], *, state_spec: Any, batch_sharding: Any,
     mesh: bool, batch_size: int, max_len: int, budget_bytes: int | None,
-    compile_workers: int = 0, packed: bool = False,
+    compile_workers: int = 0, packed: bool = False, compile_plan: str = "cost",
 ) -> XlaRunner | JaxmemRunner:
     """The runner for ``--scheduler`` (``"xla"`` or ``"jaxmem"``).
 
@@ -330,10 +370,11 @@ def make_runner(
         batch_size, max_len, budget_bytes: the jaxmem constraints and budget.
         compile_workers: background compile threads (both schedulers).
         packed: batches hold packed rows (``segment_ids`` and ``positions`` too).
+        compile_plan: jaxmem's ``compile_plan`` (``"cost"`` or ``"exact"``).
     """
     if scheduler == "xla":
         return XlaRunner(train_step, state_spec, batch_sharding, mesh, compile_workers, packed)
     if scheduler == "jaxmem":
         return JaxmemRunner(train_step, batch_size, max_len, budget_bytes, state_spec,
-                            batch_sharding, mesh, compile_workers, packed)
+                            batch_sharding, mesh, compile_workers, packed, compile_plan)
     raise ValueError(f"--scheduler must be 'xla' or 'jaxmem', got {scheduler!r}")

@@ -25,11 +25,13 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 
+from jaxmem.dispatch.ahead import CompilePool, CostLog, plan_compiles
 from jaxmem.dispatch.bind import bind_dims
 from jaxmem.dispatch.cache import OnceCache
 from jaxmem.dispatch.checks import (
@@ -44,10 +46,11 @@ from jaxmem.dispatch.checks import (
     split_args,
 )
 from jaxmem.dispatch.fastpath import key_reader
-from jaxmem.dispatch.plan import Plan, infeasible, make_plan
-from jaxmem.errors import BudgetInfeasibleError, JaxmemError
+from jaxmem.dispatch.plan import Plan, infeasible, make_plan, no_retry_fits, unrepeatable
+from jaxmem.errors import BudgetInfeasibleError
 from jaxmem.lower import CompileOptions, Executable, lower_level
 from jaxmem.plan.analysis import Analysis, analyze_specs, arg_shardings, local_dims
+from jaxmem.plan.compiles import CompilePlan
 from jaxmem.plan.levels import PlanSet
 from jaxmem.plan.offload import Costs
 from jaxmem.plan.select import MicrobatchFn, select_level
@@ -101,7 +104,8 @@ class Jitted:
         self._analyses: OnceCache[Analysis] = OnceCache()
         self._plans: OnceCache[Plan] = OnceCache()
         self._lock = threading.RLock()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool = CompilePool()
+        self.costs = CostLog()  # measured compile and step seconds, for plan_compiles
         # Call fast path: plans keyed by the shapes of the symbolic leaves alone, read
         # with accessors built from the first analysis. The compiled executable itself
         # rejects anything else that differs (TypeError), which sends the call down the
@@ -224,8 +228,10 @@ class Jitted:
             made[(k, microbatches)] = self._lower(analysis, k, dims, dynamic, microbatches)
             return made[(k, microbatches)].peak_bytes
 
+        start = time.perf_counter()
         selection = select_level(analysis.plans, local, budget, compile, skip=skip,
                                  microbatches=self._microbatch_hook(dims, budget))
+        self.costs.record_compile(dims, time.perf_counter() - start)
         if selection.level is None:
             raise infeasible(analysis, selection, dims)
         exe = made[(selection.level, selection.microbatches)]
@@ -305,10 +311,7 @@ class Jitted:
         """
         gone = consumed(args, self.donate_argnums)
         if gone:
-            raise JaxmemError(
-                f"XLA ran out of memory (RESOURCE_EXHAUSTED) running plan level {failed.level} "
-                f"(XLA peak {failed.peak_bytes} bytes) and had already consumed the donated "
-                f"inputs {', '.join(gone)}, so the step cannot be retried") from err
+            raise unrepeatable(failed, gone) from err
         budget = max(1, int(failed.peak_bytes * RETRY_BUDGET_FACTOR))
         static, dynamic = self._split(args)
         key = call_key(static, dynamic)
@@ -316,11 +319,7 @@ class Jitted:
             try:
                 plan = self._make_plan(static, dynamic, budget, skip=frozenset({failed.level}))
             except BudgetInfeasibleError as e2:
-                raise BudgetInfeasibleError(
-                    f"XLA ran out of memory (RESOURCE_EXHAUSTED) running plan level "
-                    f"{failed.level} (XLA peak {failed.peak_bytes} bytes), and no plan fits "
-                    f"{budget} bytes (0.9 x that peak): {e2}", min_peak_bytes=e2.min_peak_bytes,
-                    budget_bytes=budget) from err
+                raise no_retry_fits(failed, budget, e2) from err
             self._plans.put(key, plan)
             self._fast.clear()
         self.retries += 1
@@ -329,9 +328,17 @@ class Jitted:
     def close(self) -> None:
         """Cancels queued background compiles and ends the compile threads (plans made so
         far stay usable; a later ``precompile`` starts new threads)."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.close()
+
+    def plan_compiles(self, calls: Iterable[Sequence[Any]], pad_dims: Sequence[str]
+                      ) -> CompilePlan:
+        """Which shapes to compile for the announced ``calls``, and where each runs padded.
+
+        See :func:`jaxmem.dispatch.ahead.plan_compiles`; ``self.scheduler.compile_plan``
+        may override the choice. Before the first compile it compiles the largest call.
+        """
+        made = [p.dims for p in self._plans.values()]
+        return plan_compiles(self, [tuple(c) for c in calls], pad_dims, made)
 
     def precompile(self, shapes: Iterable[Sequence[Any]], background: bool = True,
                    workers: int = 2) -> list[concurrent.futures.Future[Plan]]:
@@ -347,19 +354,7 @@ class Jitted:
             background: compile on background threads and return futures.
             workers: threads of the pool (set by the first background call).
         """
-        items = [tuple(s) for s in shapes]
-        if not background:
-            return [_done(self.plan_for(*s)) for s in items]
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                max(1, workers), thread_name_prefix="jaxmem")
-        return [self._pool.submit(self.plan_for, *s) for s in items]
-
-
-def _done(plan: Plan) -> concurrent.futures.Future[Plan]:
-    f: concurrent.futures.Future[Plan] = concurrent.futures.Future()
-    f.set_result(plan)
-    return f
+        return self._pool.submit(self.plan_for, [tuple(s) for s in shapes], background, workers)
 
 
 def jit(fun: Callable[..., Any] | None = None, **kwargs: Any) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxmem.errors import BudgetInfeasibleError
+from jaxmem.errors import BudgetInfeasibleError, JaxmemError
 from jaxmem.lower import Executable
 from jaxmem.plan.analysis import Analysis
 from jaxmem.plan.select import Selection
@@ -128,3 +128,20 @@ def infeasible(analysis: Analysis, selection: Selection, dims: dict[str, int]
         f"(level {best.level}, recomputing {', '.join(recompute) or 'nothing'}) needs "
         f"{best.peak_bytes} bytes (XLA memory_analysis)", min_peak_bytes=best.peak_bytes,
         budget_bytes=budget)
+
+
+def unrepeatable(failed: Plan, gone: list[str]) -> JaxmemError:
+    """The error for a plan that ran out of memory after consuming donated inputs."""
+    return JaxmemError(
+        f"XLA ran out of memory (RESOURCE_EXHAUSTED) running plan level {failed.level} "
+        f"(XLA peak {failed.peak_bytes} bytes) and had already consumed the donated "
+        f"inputs {', '.join(gone)}, so the step cannot be retried")
+
+
+def no_retry_fits(failed: Plan, budget: int, err: BudgetInfeasibleError
+                  ) -> BudgetInfeasibleError:
+    """The error for a plan that ran out of memory when nothing fits below its peak."""
+    return BudgetInfeasibleError(
+        f"XLA ran out of memory (RESOURCE_EXHAUSTED) running plan level {failed.level} "
+        f"(XLA peak {failed.peak_bytes} bytes), and no plan fits {budget} bytes (0.9 x "
+        f"that peak): {err}", min_peak_bytes=err.min_peak_bytes, budget_bytes=budget)

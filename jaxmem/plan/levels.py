@@ -83,11 +83,21 @@ class Level:
 
     @functools.cached_property
     def peak_fn(self) -> Callable[..., Any]:
-        """The peak as a fast numeric function of the symbols (in domain order)."""
-        free = sorted(self.memory.peak_bytes.free_symbols, key=str)
-        fn = compile_expr(free, self.memory.peak_bytes)
-        names = [str(s) for s in free]
-        return lambda dims: int(fn(*[dims[n] for n in names]))
+        """The peak as a fast numeric function of the dims (a name -> value mapping)."""
+        return _numeric(self.memory.peak_bytes)
+
+    @functools.cached_property
+    def flops_fn(self) -> Callable[..., Any]:
+        """FLOPs of one step at this level (recomputation included), as a function of the
+        dims: what a step's time is predicted from."""
+        return _numeric(sympy.expand(sympy.Add(*[n.flops for n in self.graph.nodes])))
+
+
+def _numeric(expr: sympy.Expr) -> Callable[[Mapping[str, int]], int]:
+    free = sorted(expr.free_symbols, key=str)
+    fn = compile_expr(free, expr)
+    names = [str(s) for s in free]
+    return lambda dims: int(fn(*[dims[n] for n in names]))
 
 
 @dataclasses.dataclass(frozen=True)
