@@ -10,7 +10,7 @@ of ``(b, s)`` whose lengths are quantiles of the per-batch longest length that t
 training loop's length-grouped batcher produces on the built-in data. Budget:
 ``--budget``, else ``--budget-fraction`` of plain XLA's peak at the largest shape
 (printed). Every method is measured at every shape (:mod:`bench.methods`); then the
-epoch figure (:mod:`bench.epoch`), symbolic-vs-fallback coverage, the must-show
+epoch figure (:mod:`bench.compare_epoch`), symbolic-vs-fallback coverage, the must-show
 checks, a Markdown table (``compare.md``) and figures under ``--results-dir``
 (default: the directory of ``--out``; :mod:`bench.outputs`).
 
@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from bench.checks import coverage, must_show
-from bench.epoch import EPOCH_METHODS, epoch_batches, epoch_figure
+from bench.compare_epoch import EPOCH_METHODS, epoch_batches, epoch_figure
 from bench.figures import markdown, plot_peaks, plot_predicted
 from bench.methods import METHODS, Methods, measure
 from bench.outputs import add_output_arguments, results_dir

@@ -24,20 +24,11 @@ import jaxmem
 from bench.workload import REMAT_POLICIES, Workload
 from jaxmem import xla_peak_bytes
 from jaxmem.lower import compiler_options
+from train.batching import bucket_length
 
 METHODS = ("xla", "xla+full_remat", "xla+dots", "jaxmem", "jaxmem-static",
            "jaxmem-fallback-only", "pad-max", "buckets")
 JAXMEM_METHODS = ("jaxmem", "jaxmem-static", "jaxmem-fallback-only")
-
-
-def bucket_length(s: int, max_len: int) -> int:
-    """The power-of-two bucket of length ``s``; the last bucket is ``max_len``.
-
-    Example:
-        >>> [bucket_length(s, 768) for s in (1, 100, 128, 129, 700)]
-        [1, 128, 128, 256, 768]
-    """
-    return min(1 << max(0, (s - 1).bit_length()), max_len)
 
 
 @dataclasses.dataclass

@@ -102,6 +102,9 @@ class LlamaConfig:
         param_dtype: storage dtype of parameters (``"float32"``, ``"bf16"``, ...).
         dtype: compute dtype of activations; norms, softmax and logits'
             log-sum-exp are always computed in float32.
+        remat: run every block under ``nnx.remat`` with JAX's ``nothing_saveable``
+            policy (per-layer full rematerialisation, the usual hand-placed remat):
+            the backward pass re-runs each block from its input.
 
     Example:
         >>> LlamaConfig(d_model=64, n_heads=4, n_kv_heads=2).group_size
@@ -121,6 +124,7 @@ class LlamaConfig:
     max_seq_len: int = 2048
     param_dtype: str = "float32"
     dtype: str = "float32"
+    remat: bool = False
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -354,9 +358,11 @@ class Llama(nnx.Module):
         cos, sin = rope_tables(positions, self.config.dim_per_head, self.config.rope_theta)
         with jax.named_scope("embed"):
             x = self.embed(tokens)
+        block = (nnx.remat(Block.__call__, policy=jax.checkpoint_policies.nothing_saveable)
+                 if self.config.remat else Block.__call__)
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
-                x = layer(x, cos, sin, segment_ids)
+                x = block(layer, x, cos, sin, segment_ids)
         with jax.named_scope("final_norm"):
             x = self.norm(x)
         with jax.named_scope("lm_head"):

@@ -20,8 +20,8 @@ import pytest
 
 from bench import compare, dispatch, offload
 from bench.compare import run_comparison, shape_grid
-from bench.methods import bucket_length
 from bench.workload import Workload, build_workload
+from train.batching import bucket_length
 from train.stdlib_data import records_from_source
 
 METHODS_UNDER_TEST = ("xla", "jaxmem-static", "pad-max")

@@ -53,6 +53,7 @@ class LengthGroupedBatcher:
         seed: shuffling seed.
         window_batches: window size in batches (sorting happens within a window).
         pad_multiple: round each batch's length up to a multiple of this.
+        bucket_cap: if set, then round it up to a power of two, at most this.
 
     Raises:
         ValueError: fewer examples than one batch, or a non-positive size.
@@ -65,6 +66,7 @@ class LengthGroupedBatcher:
         seed: int,
         window_batches: int = 50,
         pad_multiple: int = 1,
+        bucket_cap: int | None = None,
     ) -> None:
         if batch_size < 1 or window_batches < 1 or pad_multiple < 1:
             raise ValueError("batch_size, window_batches and pad_multiple must be >= 1")
@@ -75,6 +77,7 @@ class LengthGroupedBatcher:
             )
         self.batch_size, self.seed = batch_size, seed
         self.window_batches, self.pad_multiple = window_batches, pad_multiple
+        self.bucket_cap = bucket_cap  # pad to power-of-two buckets, the last one this
         self._epochs: dict[int, tuple[np.ndarray, ...]] = {}
 
     @property
@@ -106,7 +109,8 @@ class LengthGroupedBatcher:
 
     def padded_length(self, indices: np.ndarray) -> int:
         """Length the batch of ``indices`` is padded to."""
-        return round_up(int(self.lengths[indices].max()), self.pad_multiple)
+        length = round_up(int(self.lengths[indices].max()), self.pad_multiple)
+        return length if self.bucket_cap is None else bucket_length(length, self.bucket_cap)
 
     def batch_shape(self, indices: np.ndarray) -> tuple[int, int]:
         """``(rows, positions per row)`` of the batch of ``indices``: one example per row."""
@@ -159,6 +163,16 @@ class PadStats:
     def pad_fraction(self) -> float:
         """Pad positions / all positions."""
         return 1.0 - self.real_tokens / self.positions if self.positions else 0.0
+
+
+def bucket_length(s: int, max_len: int) -> int:
+    """The power-of-two bucket of length ``s``; the last bucket is ``max_len``.
+
+    Example:
+        >>> [bucket_length(s, 768) for s in (1, 100, 128, 129, 700)]
+        [1, 128, 128, 256, 768]
+    """
+    return min(1 << max(0, (s - 1).bit_length()), max_len)
 
 
 def pad_stats(

@@ -114,6 +114,8 @@ class TrainConfig:
     compile_workers: int = 2
     compile_ahead: int = 8
     compile_plan: str = "cost"
+    remat: bool = False
+    pad_buckets: bool = False
     cache_dir: str | None = None
     progress: bool = True
 
@@ -126,7 +128,8 @@ class TrainConfig:
         """
         keys = ("model", "steps", "batch_size", "max_len", "lr", "warmup_steps",
                 "min_lr_ratio", "weight_decay", "clip_norm", "seed", "dtype", "param_dtype",
-                "init_from", "max_records", "window_batches", "pad_multiple", "packing")
+                "init_from", "max_records", "window_batches", "pad_multiple", "pad_buckets",
+                "packing")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -165,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--window-batches", type=int, default=50, help="sort lengths within windows of N batches")
     arg("--pad-multiple", type=int, default=1,
         help="round each batch's length up to a multiple of this (1 = exact shapes)")
+    arg("--pad-buckets", action="store_true",
+        help="round each batch's length up to a power of two (at most --max-len): "
+             "bucketing, one executable per bucket")
+    arg("--remat", action="store_true",
+        help="run every layer under nnx.remat(nothing_saveable): per-layer full "
+             "rematerialisation, as a user does when the plain step does not fit")
     arg("--packing", action="store_true",
         help="pack several examples into each row of --max-len positions (segment ids; one "
              "batch shape, one compile) instead of one example per row")
@@ -221,5 +230,6 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         pad_multiple=ns.pad_multiple, packing=ns.packing, mesh=mesh, ckpt_every=ns.ckpt_every,
         stop_after_steps=ns.stop_after_steps, progress=not ns.no_progress,
         compile_workers=ns.compile_workers, compile_ahead=ns.compile_ahead,
-        cache_dir=ns.cache_dir, compile_plan=ns.compile_plan,
+        cache_dir=ns.cache_dir, compile_plan=ns.compile_plan, remat=ns.remat,
+        pad_buckets=ns.pad_buckets,
     )

@@ -36,7 +36,7 @@ from train.checkpoint import Checkpointer
 from train.config import TrainConfig
 from train.data import Dataset, load_dataset
 from train.packing import PackedBatcher, collate_packed
-from train.runner import enable_compilation_cache, make_runner
+from train.runner import count_compiles, enable_compilation_cache, make_runner
 from train.sharding import batch_sharding, make_mesh, state_shardings
 from train.step import init_state, make_optimizer, make_train_step
 from train.tokenizer import Tokenizer, load_tokenizer
@@ -78,7 +78,10 @@ def stop_on_signals() -> Iterator[dict[str, int | None]]:
 
 def model_config(cfg: TrainConfig, tokenizer: Tokenizer) -> LlamaConfig:
     """The model configuration: from ``--init-from``'s config.json, else the preset."""
-    overrides = {k: v for k, v in (("dtype", cfg.dtype), ("param_dtype", cfg.param_dtype)) if v}
+    overrides: dict[str, Any] = {k: v for k, v in (("dtype", cfg.dtype),
+                                                   ("param_dtype", cfg.param_dtype)) if v}
+    if cfg.remat:
+        overrides["remat"] = True
     if cfg.init_from:
         with open(f"{cfg.init_from}/config.json") as f:
             config = config_from_hf(json.load(f), **overrides)
@@ -114,7 +117,8 @@ def build(cfg: TrainConfig) -> Setup:
     batcher = (PackedBatcher(dataset.lengths, cfg.batch_size, cfg.max_len, cfg.seed,
                              cfg.window_batches) if cfg.packing else
                LengthGroupedBatcher(dataset.lengths, cfg.batch_size, cfg.seed,
-                                    cfg.window_batches, cfg.pad_multiple))
+                                    cfg.window_batches, cfg.pad_multiple,
+                                    cfg.max_len if cfg.pad_buckets else None))
     config = model_config(cfg, tokenizer)
     tx, schedule = make_optimizer(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio,
                                   cfg.weight_decay, cfg.clip_norm)
@@ -254,12 +258,22 @@ def run(cfg: TrainConfig) -> tuple[dict[str, Any], int]:
     wall_start = time.perf_counter()
     if cfg.cache_dir:
         enable_compilation_cache(cfg.cache_dir)  # before anything compiles
+    with count_compiles() as count:
+        summary, code = _run(cfg)
+    summary["xla_compiles"], summary["cache_hits"] = count.compiles, count.cache_hits
+    summary["xla_compile_s"] = count.seconds
+    summary["wall_s"] = time.perf_counter() - wall_start
+    return summary, code
+
+
+def _run(cfg: TrainConfig) -> tuple[dict[str, Any], int]:
     setup = build(cfg)
     runner = make_runner(
         cfg.scheduler, make_train_step(setup.graphdef, setup.tx), state_spec=setup.state_spec,
         batch_sharding=setup.batch_sharding, mesh=setup.mesh is not None,
         batch_size=cfg.batch_size, max_len=cfg.max_len, budget_bytes=cfg.budget_bytes,
         compile_workers=cfg.compile_workers, packed=cfg.packing, compile_plan=cfg.compile_plan,
+        remat=cfg.remat,
     )
     meta = {"trajectory": json.loads(json.dumps(cfg.trajectory_key())),
             "data_fingerprint": setup.dataset.fingerprint(), "losses": [], "run_lengths": {},
@@ -280,7 +294,6 @@ def run(cfg: TrainConfig) -> tuple[dict[str, Any], int]:
         if ckpt:
             ckpt.close()
     summary = make_summary(cfg, setup, runner, result, meta, resumed_from)
-    summary["wall_s"] = time.perf_counter() - wall_start
     if result.stop == "nonfinite_loss":
         return summary, EXIT_NONFINITE
     return summary, EXIT_OK if result.signum is None else 128 + result.signum

@@ -19,9 +19,11 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem import xla_peak_bytes
+from jaxmem.lower import compiler_options
 
 Shape = tuple[int, ...]
 
@@ -55,6 +58,61 @@ def enable_compilation_cache(directory: str | Path) -> None:
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@dataclasses.dataclass
+class CompileCount:
+    """XLA compiles seen by :func:`count_compiles` (every executable of the process).
+
+    Attributes:
+        requests: executables XLA was asked for (compiled or loaded).
+        cache_hits: of those, loaded from the persistent compilation cache.
+        seconds: wall seconds of all requests (compiles and loads).
+    """
+
+    requests: int = 0
+    cache_hits: int = 0
+    seconds: float = 0.0
+
+    @property
+    def compiles(self) -> int:
+        """Executables XLA really compiled (requests the cache did not serve)."""
+        return self.requests - self.cache_hits
+
+
+@contextlib.contextmanager
+def count_compiles() -> Iterator[CompileCount]:
+    """Counts XLA compile requests and persistent-cache hits while the block runs.
+
+    Reads JAX's own monitoring events (``/jax/core/compile/backend_compile_duration``
+    and ``/jax/compilation_cache/cache_hits``), from every thread.
+
+    Example:
+        >>> with count_compiles() as count:
+        ...     _ = jax.jit(lambda x: x + 1)(1.0)
+        >>> count.requests >= 1
+        True
+    """
+    count, lock = CompileCount(), threading.Lock()
+
+    def on_event(event: str, **_: Any) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            with lock:
+                count.cache_hits += 1
+
+    def on_duration(event: str, duration: float, **_: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            with lock:
+                count.requests += 1
+                count.seconds += duration
+
+    jax.monitoring.register_event_listener(on_event)
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        yield count
+    finally:
+        jax.monitoring.unregister_event_listener(on_event)
+        jax.monitoring.unregister_event_duration_listener(on_duration)
 
 
 def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
@@ -105,6 +163,9 @@ class XlaRunner:
         batch_sharding: sharding of every batch array.
         mesh_shardings: pass ``in_shardings``/``out_shardings`` to ``jax.jit`` (``--mesh``).
         compile_workers: background compile threads; 0 compiles on first use only.
+        remat: the model rematerialises its layers (``--remat``): compile with the XLA
+            options that keep ``jax.checkpoint``'s barriers (on CPU XLA removes them
+            otherwise, docs/design.md §4).
     """
 
     name = "xla"
@@ -112,6 +173,7 @@ class XlaRunner:
     def __init__(
         self, train_step: Callable[..., Any], state_spec: Any, batch_sharding: Any = None,
         mesh_shardings: bool = False, compile_workers: int = 0, packed: bool = False,
+        remat: bool = False,
     ) -> None:
         kwargs = {}
         if mesh_shardings:
@@ -120,6 +182,7 @@ class XlaRunner:
         self.jitted = jax.jit(train_step, donate_argnums=0, **kwargs)
         self.state_spec, self.batch_sharding = state_spec, batch_sharding
         self.packed = packed  # batches of packed rows (--packing)
+        self.compiler_options = compiler_options() if remat else None
         self._pool = ThreadPoolExecutor(compile_workers) if compile_workers > 0 else None
         self._compiled: dict[Shape, Future[jax.stages.Compiled]] = {}
         self._lock = threading.Lock()
@@ -143,7 +206,7 @@ class XlaRunner:
         start = time.perf_counter()
         compiled = self.jitted.lower(self.state_spec,
                                      batch_spec(shape, self.batch_sharding, self.packed))
-        compiled = compiled.compile()
+        compiled = compiled.compile(compiler_options=self.compiler_options)
         with self._lock:
             self._busy.append((start, time.perf_counter()))
             self.peaks[shape] = xla_peak_bytes(compiled)
@@ -308,7 +371,9 @@ class JaxmemRunner:
         start = time.perf_counter()
         plan = self.step.plan_compiles(
             [(self.state_spec, batch_spec(s, self.batch_sharding)) for s in shapes], ("s",))
-        self._record(start, time.perf_counter())
+        end = time.perf_counter()
+        self._record(start, end)
+        self.wait_s += end - start  # the loop waits for this (it may compile a shape)
         self.compile_plans.append(plan)
         out = []
         for b, s in shapes:
@@ -358,6 +423,7 @@ def make_runner(
     scheduler: str, train_step: Callable[..., Any], *, state_spec: Any, batch_sharding: Any,
     mesh: bool, batch_size: int, max_len: int, budget_bytes: int | None,
     compile_workers: int = 0, packed: bool = False, compile_plan: str = "cost",
+    remat: bool = False,
 ) -> XlaRunner | JaxmemRunner:
     """The runner for ``--scheduler`` (``"xla"`` or ``"jaxmem"``).
 
@@ -371,9 +437,11 @@ def make_runner(
         compile_workers: background compile threads (both schedulers).
         packed: batches hold packed rows (``segment_ids`` and ``positions`` too).
         compile_plan: jaxmem's ``compile_plan`` (``"cost"`` or ``"exact"``).
+        remat: the model rematerialises its layers (``--remat``; the xla runner).
     """
     if scheduler == "xla":
-        return XlaRunner(train_step, state_spec, batch_sharding, mesh, compile_workers, packed)
+        return XlaRunner(train_step, state_spec, batch_sharding, mesh, compile_workers, packed,
+                         remat)
     if scheduler == "jaxmem":
         return JaxmemRunner(train_step, batch_size, max_len, budget_bytes, state_spec,
                             batch_sharding, mesh, compile_workers, packed, compile_plan)
