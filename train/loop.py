@@ -306,6 +306,8 @@ def make_summary(
             f"{b}x{s}": runner.predicted[b, s] for (b, s) in peaks if (b, s) in runner.predicted},
         "peak_plan": runner.describe(max(peaks, key=peaks.get)) if peaks else None,
         "compile_s": runner.compile_s,
+        "analysis_s": runner.analyses[0],  # jaxmem's analyses; ~0 on a warm --cache-dir
+        "analyses_loaded": runner.analyses[1],
         "compile_wait_s": wait_s,
         "loop_s": loop_s,
         "steps_this_run": step - (resumed_from or 0),

@@ -43,8 +43,9 @@ def enable_compilation_cache(directory: str | Path) -> None:
 
     A later run that compiles the same program at the same shapes, with the same
     options, JAX/XLA version and backend, loads the executable from there instead
-    of compiling it. Only XLA's compile is saved: jaxmem's analysis and per-shape
-    planning still run. JAX by default skips compiles under 1 s
+    of compiling it; jaxmem's analyses go to its ``jaxmem/`` subfolder and load
+    from there too (``jaxmem.jit``'s ``cache_dir``). Per-shape planning still runs.
+    JAX by default skips compiles under 1 s
     (``jax_persistent_cache_min_compile_time_secs``), which is most CPU compiles;
     here every compile and entry size is kept. Takes effect only if nothing in the
     process has compiled yet.
@@ -132,6 +133,11 @@ class XlaRunner:
     def compiles(self) -> int:
         """Number of distinct executables compiled (background ones included)."""
         return sum(not f.cancelled() for f in self._compiled.values())
+
+    @property
+    def analyses(self) -> tuple[float, int]:
+        """Seconds of jaxmem analysis, and analyses loaded from disk: none under XLA."""
+        return 0.0, 0
 
     @property
     def compile_s(self) -> float:
@@ -249,6 +255,11 @@ class JaxmemRunner:
     def compiles(self) -> int:
         """Number of distinct executables planned (background ones included)."""
         return self.step.compiles
+
+    @property
+    def analyses(self) -> tuple[float, int]:
+        """Seconds the step spent in jaxmem's analyses, and how many it loaded from disk."""
+        return self.step.analysis_s, self.step.cache_info().analyses_loaded
 
     @property
     def compile_s(self) -> float:
