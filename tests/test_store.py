@@ -206,6 +206,17 @@ def test_a_kill_during_the_write_leaves_no_entry_that_loads(tmp_path: pathlib.Pa
     assert again.cache_info().analyses_loaded == 1
 
 
+def test_a_write_sweeps_temporary_files_that_killed_writers_left(tmp_path: pathlib.Path) -> None:
+    old, fresh = tmp_path / ".tmp-old.part", tmp_path / ".tmp-fresh.part"
+    for p in (old, fresh):
+        p.write_bytes(b"half an entry")
+    hours_ago = time.time() - 2 * store.STALE_TEMP_S
+    os.utime(old, (hours_ago, hours_ago))
+    jaxmem.jit(step, cache_dir=tmp_path, **SPECS).plans(*_args())
+    assert not old.exists() and fresh.exists()  # a live writer's file is left alone
+    assert len(_entries(tmp_path)) == 1
+
+
 def test_jax_compilation_cache_dir_enables_it(tmp_path: pathlib.Path) -> None:
     before = jax.config.jax_compilation_cache_dir
     assert store.cache_directory(None) is None or before

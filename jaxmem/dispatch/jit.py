@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -77,7 +78,7 @@ class Jitted:
                  static_argnums: int | Iterable[int] = (), in_shardings: Any = None,
                  out_shardings: Any = None, symbolic: bool = True,
                  offload: bool | None = None, offload_costs: Costs | None = None,
-                 cache_dir: Any = None):
+                 cache_dir: str | os.PathLike[str] | None = None):
         if not callable(fun):
             raise TypeError(f"jaxmem.jit expects a callable, got {type(fun).__name__}")
         check_choices(scheduler, offload, offload_costs)

@@ -10,7 +10,8 @@ read back (:mod:`jaxmem.plan.stored`).
 
 An entry is written to a temporary file in the same directory and renamed into
 place (``os.replace``, atomic), so a reader never sees half an entry, and a run
-killed mid-write leaves only a temporary file no reader opens. Each entry holds a
+killed mid-write leaves only a temporary file no reader opens (a later write
+removes it once it is an hour old). Each entry holds a
 SHA-256 of its body and its own key; an entry that is unreadable, truncated,
 corrupt, of another format or key, or that does not fit the fresh trace is
 ignored, derived again and overwritten, never trusted. Entries are JSON data;
@@ -59,6 +60,9 @@ from jaxmem.plan.stored import StaleEntryError, decode_plans, encode_plans
 #: Bumped whenever the layout of an entry changes; older entries then never match.
 FORMAT_VERSION = 1
 MAGIC = b"jaxmem-analysis\n"
+#: A temporary file this old is what a killed writer left behind (a live write takes
+#: well under a second); the next write in its directory removes it.
+STALE_TEMP_S = 3600.0
 SUBDIR = "jaxmem"  # under JAX's compilation cache directory
 
 
@@ -145,6 +149,18 @@ def write_entry(path: pathlib.Path, key: str, payload: dict[str, Any]) -> None:
     except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)
         raise
+    sweep_temps(path.parent)
+
+
+def sweep_temps(directory: pathlib.Path, older_than_s: float = STALE_TEMP_S) -> None:
+    """Removes temporary files that killed writers left in ``directory`` (never an entry)."""
+    cutoff = time.time() - older_than_s
+    for tmp in directory.glob(".tmp-*.part"):
+        try:
+            if tmp.stat().st_mtime < cutoff:
+                tmp.unlink()
+        except OSError:  # another process removed it first
+            pass
 
 
 def read_entry(path: pathlib.Path, key: str) -> dict[str, Any] | None:
