@@ -9,6 +9,8 @@ is rebuilt and overwritten; a run killed while writing leaves nothing that loads
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pathlib
 import signal
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -137,12 +140,18 @@ def _rewrite_entry(path: pathlib.Path, how: str) -> None:
     elif how == "other key":  # intact and checksummed, but written for another key
         store.write_entry(path, "0" * 64, {"graph": [0, 0]})
     elif how == "stale plans":  # intact, right key, but not this trace's plans
-        key = path.name.removeprefix("analysis-").removesuffix(".json.z")
-        store.write_entry(path, key, {"graph": [1, 1], "levels": []})
+        store.write_entry(path, _key(path), {"graph": [1, 1], "levels": []})
+    elif how == "old format":  # intact, right key, the layout of another jaxmem
+        body = zlib.compress(json.dumps({"format": 0, "key": _key(path), "plans": {}}).encode())
+        path.write_bytes(store.MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
+
+
+def _key(path: pathlib.Path) -> str:
+    return path.name.removeprefix("analysis-").removesuffix(".json.z")
 
 
 @pytest.mark.parametrize("how", ["truncated", "empty", "garbage", "flipped byte", "other key",
-                                 "stale plans"])
+                                 "stale plans", "old format"])
 def test_a_corrupt_entry_is_rebuilt_and_overwritten(tmp_path: pathlib.Path, how: str) -> None:
     first = jaxmem.jit(step, cache_dir=tmp_path, **SPECS)
     want = first.analysis(*_args()).plans
