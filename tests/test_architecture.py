@@ -19,8 +19,8 @@ PACKAGES = ("jaxmem", "hlo_passes", "models", "train", "bench")
 #: jaxmem's modules by stage, in the order data flows; a module may import only from
 #: its own stage or earlier ones. Stage 0 is the vocabulary every stage speaks.
 STAGES: tuple[tuple[str, ...], ...] = (
-    ("jaxmem.errors", "jaxmem.units", "jaxmem.dims", "jaxmem.fastexpr", "jaxmem.regions",
-     "jaxmem.grad"),
+    ("jaxmem.errors", "jaxmem.units", "jaxmem.dims", "jaxmem.fastexpr", "jaxmem.exprjson",
+     "jaxmem.regions", "jaxmem.grad"),
     ("jaxmem.trace",),
     ("jaxmem.graph",),
     ("jaxmem.symbolic",),

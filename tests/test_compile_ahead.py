@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from train.batching import LengthGroupedBatcher
+from train.compiles import busy_seconds
 from train.config import parse_args
 from train.data import Example
 from train.loop import train_loop
-from train.runner import JaxmemRunner, busy_seconds
+from train.runner import JaxmemRunner
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _compile_threads: list[str] = []

@@ -276,3 +276,7 @@ def test_cache_dir_reuses_executables_across_runs(data_file, tmp_path, scheduler
     assert entries() == filled  # nothing new to write: every executable was found there
     assert warm["compile_s"] < cold["compile_s"]
     assert warm["losses"] == cold["losses"] and warm["compiles"] == cold["compiles"] == 1
+    if scheduler == "jaxmem":  # the analysis came from <cache>/jaxmem, not derived again
+        assert (cold["analyses_loaded"], warm["analyses_loaded"]) == (0, 1)
+        assert warm["analysis_s"] < cold["analysis_s"]
+        assert len(list((cache / "jaxmem").glob("analysis-*"))) == 1

@@ -192,9 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
              "results are unchanged), for the least predicted compile + step seconds; "
              "exact: one executable per batch shape")
     arg("--cache-dir", default=None, metavar="DIR",
-        help="keep compiled executables in JAX's persistent compilation cache in DIR and "
-             "reuse them in later runs (every compile is kept, also those under JAX's "
-             "1 s minimum); default: off")
+        help="keep compiled executables in JAX's persistent compilation cache in DIR, and "
+             "jaxmem's analyses in DIR/jaxmem, and reuse them in later runs (every compile "
+             "is kept, also those under JAX's 1 s minimum); default: off")
     arg("--no-progress", action="store_true", help="no progress bar")
     return p
 

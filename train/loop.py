@@ -33,10 +33,11 @@ from models.hf_loader import config_from_hf, load_hf_llama
 from models.llama import Llama, LlamaConfig, get_config, init_llama
 from train.batching import LengthGroupedBatcher, collate, pad_stats
 from train.checkpoint import Checkpointer
+from train.compiles import count_compiles, enable_compilation_cache
 from train.config import TrainConfig
 from train.data import Dataset, load_dataset
 from train.packing import PackedBatcher, collate_packed
-from train.runner import count_compiles, enable_compilation_cache, make_runner
+from train.runner import make_runner
 from train.sharding import batch_sharding, make_mesh, state_shardings
 from train.step import init_state, make_optimizer, make_train_step
 from train.tokenizer import Tokenizer, load_tokenizer
@@ -338,6 +339,8 @@ def make_summary(
         "compile_plans": [p.describe() for p in getattr(runner, "compile_plans", [])],
         "compile_plan_predicted_s": sum(p.predicted_s for p in getattr(runner, "compile_plans",
                                                                        [])),
+        "analysis_s": runner.analyses[0],  # jaxmem's analyses; ~0 on a warm --cache-dir
+        "analyses_loaded": runner.analyses[1],
         "compile_wait_s": wait_s,
         "loop_s": loop_s,
         "steps_this_run": step - (resumed_from or 0),

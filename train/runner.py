@@ -19,13 +19,10 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -33,101 +30,13 @@ import jax.numpy as jnp
 
 from jaxmem import xla_peak_bytes
 from jaxmem.lower import compiler_options
+from train.compiles import busy_seconds
 
 Shape = tuple[int, ...]
 
 
 class JaxmemUnavailableError(RuntimeError):
     """``--scheduler jaxmem`` was asked for, but the installed jaxmem has no ``jit``."""
-
-
-def enable_compilation_cache(directory: str | Path) -> None:
-    """Keep every executable this process compiles in JAX's persistent cache at ``directory``.
-
-    A later run that compiles the same program at the same shapes, with the same
-    options, JAX/XLA version and backend, loads the executable from there instead
-    of compiling it. Only XLA's compile is saved: jaxmem's analysis and per-shape
-    planning still run. JAX by default skips compiles under 1 s
-    (``jax_persistent_cache_min_compile_time_secs``), which is most CPU compiles;
-    here every compile and entry size is kept. Takes effect only if nothing in the
-    process has compiled yet.
-
-    Example:
-        >>> enable_compilation_cache("/tmp/jax-cache")  # doctest: +SKIP
-    """
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-@dataclasses.dataclass
-class CompileCount:
-    """XLA compiles seen by :func:`count_compiles` (every executable of the process).
-
-    Attributes:
-        requests: executables XLA was asked for (compiled or loaded).
-        cache_hits: of those, loaded from the persistent compilation cache.
-        seconds: wall seconds of all requests (compiles and loads).
-    """
-
-    requests: int = 0
-    cache_hits: int = 0
-    seconds: float = 0.0
-
-    @property
-    def compiles(self) -> int:
-        """Executables XLA really compiled (requests the cache did not serve)."""
-        return self.requests - self.cache_hits
-
-
-@contextlib.contextmanager
-def count_compiles() -> Iterator[CompileCount]:
-    """Counts XLA compile requests and persistent-cache hits while the block runs.
-
-    Reads JAX's own monitoring events (``/jax/core/compile/backend_compile_duration``
-    and ``/jax/compilation_cache/cache_hits``), from every thread.
-
-    Example:
-        >>> with count_compiles() as count:
-        ...     _ = jax.jit(lambda x: x + 1)(1.0)
-        >>> count.requests >= 1
-        True
-    """
-    count, lock = CompileCount(), threading.Lock()
-
-    def on_event(event: str, **_: Any) -> None:
-        if event == "/jax/compilation_cache/cache_hits":
-            with lock:
-                count.cache_hits += 1
-
-    def on_duration(event: str, duration: float, **_: Any) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            with lock:
-                count.requests += 1
-                count.seconds += duration
-
-    jax.monitoring.register_event_listener(on_event)
-    jax.monitoring.register_event_duration_secs_listener(on_duration)
-    try:
-        yield count
-    finally:
-        jax.monitoring.unregister_event_listener(on_event)
-        jax.monitoring.unregister_event_duration_listener(on_duration)
-
-
-def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
-    """Length of the union of ``[start, end]`` intervals (overlaps counted once).
-
-    Example:
-        >>> busy_seconds([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)])
-        4.0
-    """
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
 
 
 def batch_spec(
@@ -195,6 +104,11 @@ class XlaRunner:
     def compiles(self) -> int:
         """Number of distinct executables compiled (background ones included)."""
         return sum(not f.cancelled() for f in self._compiled.values())
+
+    @property
+    def analyses(self) -> tuple[float, int]:
+        """Seconds of jaxmem analysis, and analyses loaded from disk: none under XLA."""
+        return 0.0, 0
 
     @property
     def compile_s(self) -> float:
@@ -322,6 +236,11 @@ class JaxmemRunner:
     def compiles(self) -> int:
         """Number of distinct executables planned (background ones included)."""
         return self.step.compiles
+
+    @property
+    def analyses(self) -> tuple[float, int]:
+        """Seconds the step spent in jaxmem's analyses, and how many it loaded from disk."""
+        return self.step.analysis_s, self.step.cache_info().analyses_loaded
 
     @property
     def compile_s(self) -> float:

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import jax
 
 from jaxmem.dispatch.bind import bind_dims
+from jaxmem.dispatch.cache import done_future
 from jaxmem.dispatch.checks import split_args
 from jaxmem.errors import BudgetInfeasibleError
 from jaxmem.plan.analysis import Analysis
@@ -48,7 +49,7 @@ class CompilePool:
                workers: int) -> list[concurrent.futures.Future[T]]:
         """``fn(*item)`` per item: on ``workers`` threads, or now (as finished futures)."""
         if not background:
-            return [_done(fn(*item)) for item in items]
+            return [done_future(fn(*item)) for item in items]
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -61,12 +62,6 @@ class CompilePool:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _done(value: T) -> concurrent.futures.Future[T]:
-    f: concurrent.futures.Future[T] = concurrent.futures.Future()
-    f.set_result(value)
-    return f
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""A thread-safe cache filled once per key: what ``Jitted`` keeps its analyses and plans in.
+"""A thread-safe cache filled once per key: what ``Jitted`` keeps its analyses and plans in;
+and :class:`CacheInfo`, what ``Jitted.cache_info()`` reports of them.
 
 Several threads may ask for one key together (compile-ahead workers and the
 training loop): the first computes it, the others wait for that result, and
@@ -17,9 +18,20 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from collections.abc import Callable, Hashable, Iterator
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 V = TypeVar("V")
+
+
+class CacheInfo(NamedTuple):
+    """What a ``Jitted`` holds: analyses (one per argument structure), plans (one per call
+    shape), distinct compiled executables, and how many of the analyses were loaded
+    from the disk store (``jaxmem.jit(..., cache_dir=...)``) rather than derived."""
+
+    analyses: int
+    plans: int
+    executables: int
+    analyses_loaded: int = 0
 
 
 class OnceCache(Generic[V]):
@@ -73,3 +85,10 @@ class OnceCache(Generic[V]):
 
     def __len__(self) -> int:
         return len(self._done)
+
+
+def done_future(value: V) -> concurrent.futures.Future[V]:
+    """A future that already holds ``value``."""
+    f: concurrent.futures.Future[V] = concurrent.futures.Future()
+    f.set_result(value)
+    return f

@@ -11,6 +11,8 @@ Example:
 
 from __future__ import annotations
 
+import os
+import pathlib
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -117,3 +119,25 @@ def check_constraints(constraints: Iterable[Any]) -> tuple[str, ...]:
         if not isinstance(c, str):
             raise ValueError(f"constraints must be strings like 'b <= 16', got {c!r}")
     return out
+
+
+def check_cache_dir(cache_dir: Any) -> pathlib.Path | None:
+    """``jaxmem.jit``'s ``cache_dir`` as a path: None, or a ``str``/``os.PathLike`` naming a
+    directory or nothing yet (TypeError or ValueError naming the argument otherwise).
+
+    Example:
+        >>> check_cache_dir(3)
+        Traceback (most recent call last):
+        ...
+        TypeError: cache_dir must be a directory path (str or os.PathLike) or None, got 3 (int)
+    """
+    if cache_dir is None:
+        return None
+    if isinstance(cache_dir, bytes) or not isinstance(cache_dir, (str, os.PathLike)):
+        raise TypeError(f"cache_dir must be a directory path (str or os.PathLike) or None, got "
+                        f"{cache_dir!r} ({type(cache_dir).__name__})")
+    path = pathlib.Path(cache_dir).expanduser()
+    if not str(cache_dir) or (path.exists() and not path.is_dir()):
+        raise ValueError(f"cache_dir must name a directory (it is made if missing), got "
+                         f"{str(cache_dir)!r}")
+    return path

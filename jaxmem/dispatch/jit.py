@@ -17,27 +17,29 @@ Example:
     >>> f(jnp.ones((8, 8)), jnp.ones((4, 8))).shape
     (8, 8)
     >>> f.cache_info()
-    CacheInfo(analyses=1, plans=1, executables=1)
+    CacheInfo(analyses=1, plans=1, executables=1, analyses_loaded=0)
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
 from jaxmem.dispatch.ahead import CompilePool, CostLog, plan_compiles
 from jaxmem.dispatch.bind import bind_dims
-from jaxmem.dispatch.cache import OnceCache
+from jaxmem.dispatch.cache import CacheInfo, OnceCache
 from jaxmem.dispatch.checks import (
     call_key,
     check_argnums,
     check_budget,
+    check_cache_dir,
     check_choices,
     check_constraints,
     check_shapes,
@@ -47,6 +49,7 @@ from jaxmem.dispatch.checks import (
 )
 from jaxmem.dispatch.fastpath import key_reader
 from jaxmem.dispatch.plan import Plan, infeasible, make_plan, no_retry_fits, unrepeatable
+from jaxmem.dispatch.store import AnalysisStore
 from jaxmem.errors import BudgetInfeasibleError
 from jaxmem.lower import CompileOptions, Executable, lower_level
 from jaxmem.plan.analysis import Analysis, analyze_specs, arg_shardings, local_dims
@@ -61,21 +64,13 @@ from jaxmem.schedulers import MemoryAware, Scheduler
 RETRY_BUDGET_FACTOR = 0.9
 
 
-class CacheInfo(NamedTuple):
-    """What a :class:`Jitted` holds: analyses (one per argument structure), plans (one per
-    call shape) and distinct compiled executables."""
-
-    analyses: int
-    plans: int
-    executables: int
-
-
 class Jitted:
     """A function planned and compiled by jaxmem. Call it like the ``jax.jit`` result.
 
     Attributes:
         budget_bytes: the memory budget (per device), or None.
         scheduler: the scheduling strategy.
+        cache_dir: the directory given for the disk store of analyses, or None.
         retries: how many calls ran out of device memory (XLA ``RESOURCE_EXHAUSTED``)
             and were re-planned at 0.9 x the failed plan's peak and run again.
     """
@@ -85,7 +80,8 @@ class Jitted:
                  scheduler: Scheduler | None = None, donate_argnums: int | Iterable[int] = (),
                  static_argnums: int | Iterable[int] = (), in_shardings: Any = None,
                  out_shardings: Any = None, symbolic: bool = True,
-                 offload: bool | None = None, offload_costs: Costs | None = None):
+                 offload: bool | None = None, offload_costs: Costs | None = None,
+                 cache_dir: str | os.PathLike[str] | None = None):
         if not callable(fun):
             raise TypeError(f"jaxmem.jit expects a callable, got {type(fun).__name__}")
         check_choices(scheduler, offload, offload_costs)
@@ -101,6 +97,8 @@ class Jitted:
         self.symbolic = symbolic
         self.offload = offload
         self.offload_costs = offload_costs
+        self.cache_dir = check_cache_dir(cache_dir)
+        self._store = AnalysisStore(self.cache_dir)  # shared by with_budget, like _analyses
         self._analyses: OnceCache[Analysis] = OnceCache()
         self._plans: OnceCache[Plan] = OnceCache()
         self._lock = threading.RLock()
@@ -164,8 +162,9 @@ class Jitted:
                        scheduler=self.scheduler, donate_argnums=self.donate_argnums,
                        static_argnums=self.static_argnums, in_shardings=self.in_shardings,
                        out_shardings=self.out_shardings, symbolic=self.symbolic,
-                       offload=self.offload, offload_costs=self.offload_costs)
-        other._analyses = self._analyses
+                       offload=self.offload, offload_costs=self.offload_costs,
+                       cache_dir=self.cache_dir)
+        other._analyses, other._store = self._analyses, self._store
         return other
 
     def use_plan(self, plan: Plan, *args: Any) -> None:
@@ -178,8 +177,13 @@ class Jitted:
             self._fast.clear()
 
     def cache_info(self) -> CacheInfo:
-        """How many analyses, plans and distinct executables this function holds."""
-        return CacheInfo(len(self._analyses), len(self._plans), self.compiles)
+        """How many analyses (and of them, loaded from disk), plans and executables it holds."""
+        return CacheInfo(len(self._analyses), len(self._plans), self.compiles, self._store.loaded)
+
+    @property
+    def analysis_s(self) -> float:
+        """Seconds spent in analyses so far: tracing, and deriving or loading the plan sets."""
+        return self._store.seconds
 
     @property
     def compiles(self) -> int:
@@ -195,10 +199,11 @@ class Jitted:
         flat, tree = jax.tree_util.tree_flatten(dynamic)
         akey = (tree, static, tuple((len(getattr(x, "shape", ())), str(getattr(x, "dtype", "")))
                                     for x in flat))
-        return self._analyses.get_or_make(akey, lambda: analyze_specs(
-            self.fun, static, dynamic, self.static_argnums, self.polymorphic_shapes,
-            self.constraints, self.scheduler, self.donate_argnums, self.symbolic, self.offload,
-            self.offload_costs))
+        return self._analyses.get_or_make(akey, lambda: self._store.analyze(
+            lambda planner: analyze_specs(
+                self.fun, static, dynamic, self.static_argnums, self.polymorphic_shapes,
+                self.constraints, self.scheduler, self.donate_argnums, self.symbolic,
+                self.offload, self.offload_costs, planner)))
 
     def _options(self, analysis: Analysis) -> CompileOptions:
         return CompileOptions(analysis.donate_dynamic, self.in_shardings, self.out_shardings)
@@ -375,6 +380,9 @@ def jit(fun: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
         offload_costs: the device rates (:class:`jaxmem.plan.offload.Costs`: FLOP/s and
             host-link bytes/s) that weigh recomputation against offload; None uses the
             default backend's figures (:func:`jaxmem.plan.offload.costs_for`).
+        cache_dir: a directory (``str`` or ``os.PathLike``) where analyses persist across
+            runs (:mod:`jaxmem.dispatch.store`); None uses ``<jax_compilation_cache_dir>/jaxmem``
+            when JAX's persistent compilation cache is configured, else keeps them in memory.
 
     Example:
         >>> import jax.numpy as jnp, jaxmem

@@ -65,6 +65,44 @@ class Analysis:
     offload_planned: bool = False
 
 
+Orders = tuple[list[int] | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanInputs:
+    """What the plan set and the orders of one analysis are derived from.
+
+    Attributes:
+        traced: the symbolic trace.
+        graph: its graph.
+        domain: the shape domain.
+        donated: flat indices of donated leaves.
+        symbolic: False for the fallback-only ablation.
+        offload: whether host offload is planned.
+        costs: the device rates weighing FLOPs against transfers.
+        scheduler: the scheduler asked for each level's order (None: none).
+    """
+
+    traced: Traced
+    graph: Graph
+    domain: ShapeDomain
+    donated: tuple[int, ...]
+    symbolic: bool
+    offload: bool
+    costs: Costs
+    scheduler: Scheduler | None
+
+
+def derive_plans(inputs: PlanInputs) -> tuple[PlanSet, Orders]:
+    """The levels and each level's validated order: the expensive part of an analysis."""
+    plans = plan_levels(inputs.graph, inputs.domain, symbolic=inputs.symbolic,
+                        donated=inputs.donated, offload=inputs.offload, costs=inputs.costs)
+    scheduler, domain = inputs.scheduler, inputs.domain
+    orders = tuple(validate_order(level.graph, scheduler.order(ScheduleGraph(level.graph, domain)))
+                   if scheduler is not None else None for level in plans.levels)
+    return plans, orders
+
+
 def merge_args(static_argnums: Sequence[int], static: Sequence[Any],
                dynamic: Sequence[Any]) -> list[Any]:
     """Re-interleaves static and dynamic positional arguments."""
@@ -92,12 +130,15 @@ def analyze_specs(fun: Callable[..., Any], static: tuple[Any, ...], dynamic: tup
                   static_argnums: Sequence[int], polymorphic_shapes: Any,
                   constraints: Sequence[str], scheduler: Scheduler | None,
                   donate_argnums: Sequence[int], symbolic: bool,
-                  offload: bool | None = None, costs: Costs | None = None) -> Analysis:
+                  offload: bool | None = None, costs: Costs | None = None,
+                  planner: Callable[[PlanInputs], tuple[PlanSet, Orders]] = derive_plans
+                  ) -> Analysis:
     """Traces ``fun`` symbolically and derives its plans (once per structure).
 
     ``offload`` None plans host offload where the default backend supports it;
     ``costs`` are the device rates that weigh recomputation against transfers
-    (default: :func:`~jaxmem.plan.offload.costs_for` the default backend).
+    (default: :func:`~jaxmem.plan.offload.costs_for` the default backend);
+    ``planner`` derives the plan set and orders (:func:`derive_plans`, or a cache of it).
     """
     n_args = len(static) + len(dynamic)
     leaves_with_path = jax.tree_util.tree_flatten_with_path(dynamic)[0]
@@ -116,10 +157,8 @@ def analyze_specs(fun: Callable[..., Any], static: tuple[Any, ...], dynamic: tup
     donated = _flat_indices(dynamic, donate_dynamic)
     backend = jax.default_backend()
     offload = offload_supported(backend) if offload is None else offload
-    plans = plan_levels(graph, domain, symbolic=symbolic, donated=donated, offload=offload,
-                        costs=costs or costs_for(backend))
-    orders = tuple(validate_order(level.graph, scheduler.order(ScheduleGraph(level.graph, domain)))
-                   if scheduler is not None else None for level in plans.levels)
+    plans, orders = planner(PlanInputs(traced, graph, domain, donated, symbolic, offload,
+                                       costs or costs_for(backend), scheduler))
     paths = tuple(f"args{jax.tree_util.keystr(p)}" for p, _ in leaves_with_path)
     return Analysis(flat_fn, tuple(specs), tuple(traced.in_avals), paths, traced, graph, domain,
                     plans, orders, donated, donate_dynamic, offload)
