@@ -299,20 +299,33 @@ def _argmin(ab: int, ba: int) -> str:
     return "tie" if ab == ba else ("ab" if ab < ba else "ba")
 
 
+#: A peak within this factor of another counts as reaching it: jaxmem's pinned order
+#: carries a few scalar barrier operands (about 0.2 KiB here) that one hand-written
+#: barrier does not.
+NEAR = 1.001
+
+
 def judge(rows: Sequence[dict[str, Any]], proposed: str) -> dict[str, Any]:
     """Counts of shapes where jaxmem's proposed order (and its final plan) were optimal."""
     def count(pred: Callable[[dict[str, Any]], bool]) -> int:
         return sum(1 for r in rows if pred(r))
 
+    def best(r: dict[str, Any]) -> int:
+        return min(r["ab"], r["ba"])
+
+    excess = sorted(100 * (r["jaxmem"] / best(r) - 1) for r in rows)
+    xla_excess = sorted(100 * (r["xla"] / best(r) - 1) for r in rows)
     return {"shapes": len(rows),
             "proposed_order": proposed,
             "proposed_is_best_order": count(lambda r: r["best_order"] in (proposed, "tie")),
             "model_picks_best_order": count(lambda r: r["best_order"] in (r["model_order"], "tie")),
-            "jaxmem_at_optimum": count(lambda r: r["jaxmem"] <= r["optimum"]),
-            "jaxmem_at_best_order": count(lambda r: r["jaxmem"] <= min(r["ab"], r["ba"])),
-            "jaxmem_at_xla": count(lambda r: r["jaxmem"] <= r["xla"]),
-            "xla_at_best_order": count(lambda r: r["xla"] <= min(r["ab"], r["ba"])),
             "order_kept": count(lambda r: r["order_kept"]),
+            "jaxmem_at_best_order": count(lambda r: r["jaxmem"] <= NEAR * best(r)),
+            "jaxmem_at_or_below_xla": count(lambda r: r["jaxmem"] <= r["xla"]),
+            "xla_at_best_order": count(lambda r: r["xla"] <= NEAR * best(r)),
+            "jaxmem_over_best_pct": {"median": excess[len(excess) // 2], "max": excess[-1]},
+            "xla_over_best_pct": {"median": xla_excess[len(xla_excess) // 2],
+                                  "max": xla_excess[-1]},
             "best_order_counts": dict(collections.Counter(r["best_order"] for r in rows))}
 
 

@@ -7,8 +7,10 @@ symbolically and its sampling fallback answers UNKNOWN (correctly: XLA's better 
 changes inside the domain); the greedy order therefore falls back to program order
 (A first), which XLA contradicts at the shapes where B is the larger branch;
 jaxmem's memory model, evaluated at each shape, ranks the two orders as XLA does;
-and jaxmem's final plan never beats XLA's default order, nor reaches the better of
-the two pinned orders.
+and XLA's own order is above the better pinned order at every shape. jaxmem's plan
+reaches the better pinned order (within ``NEAR``) at every shape where A first is
+right, keeping its order after XLA's check, and misses it at every shape where B
+should run first.
 """
 
 from __future__ import annotations
@@ -61,8 +63,12 @@ def test_model_ranks_the_orders_as_xla_does_at_every_shape(result):
         assert r["best_order"] in (r["model_order"], "tie"), r
 
 
-def test_jaxmem_never_beats_xla_default_nor_reaches_the_best_pinned_order(result):
+def test_jaxmem_reaches_the_best_order_exactly_where_its_guess_is_right(result):
     for r in result["rows"]:
-        assert r["jaxmem"] <= r["xla"], r  # the order is kept only where XLA agrees
-        assert r["jaxmem"] > min(r["ab"], r["ba"]), r
-        assert r["xla"] > min(r["ab"], r["ba"]), r  # XLA's own order is not the optimum
+        best = min(r["ab"], r["ba"])
+        assert r["jaxmem"] <= r["xla"], r  # an order is kept only where XLA's peak is lower
+        assert r["xla"] > falsifier.NEAR * best, r  # XLA's own order is not the optimum
+        if r["best_order"] in ("ab", "tie"):  # the greedy guess, A first, is right
+            assert r["order_kept"] and r["jaxmem"] <= falsifier.NEAR * best, r
+        else:  # B should run first: jaxmem stays on the worse order or XLA's
+            assert r["jaxmem"] > falsifier.NEAR * best, r
