@@ -116,15 +116,25 @@ def floordiv_fn(order: str | None = None) -> Callable[..., jax.Array]:
     return f
 
 
+def _dim_fn(name: str) -> Callable[[Any, Any], Any]:
+    """``max_dim`` / ``min_dim`` of symbolic dims (``jax.core`` as of JAX 0.10; the
+    shape-polymorphism docs' ``core.max_dim``, wherever a later JAX keeps it)."""
+    fn = getattr(jax.core, name, None)
+    if fn is None:  # pragma: no cover - a JAX that moved it
+        from jax._src import core
+        fn = getattr(core, name)
+    return fn
+
+
 def maxmin_fn(order: str | None = None) -> Callable[..., jax.Array]:
     """``f(w, x[s0, 8], y[s1, 8])``: A on x zero-padded to ``max(s0, s1)`` rows, B on
     the first ``min(s0, s1)`` rows of y."""
     def f(w: dict[str, jax.Array], x: jax.Array, y: jax.Array) -> jax.Array:
         n, m = x.shape[0], y.shape[0]
         with jax.named_scope("branch_a"):
-            xa = jnp.pad(x, ((0, jax.core.max_dim(n, m) - n), (0, 0)))
+            xa = jnp.pad(x, ((0, _dim_fn("max_dim")(n, m) - n), (0, 0)))
         with jax.named_scope("branch_b"):
-            yb = lax.slice_in_dim(y, 0, jax.core.min_dim(n, m))
+            yb = lax.slice_in_dim(y, 0, _dim_fn("min_dim")(n, m))
         return _branches(w, xa, yb, order)
     return f
 
