@@ -95,8 +95,10 @@ def _takes_token(graph: Graph, node: Node, token_id: int | None) -> bool:
         return True
     if node.kind != "elementwise" or token_id is None or token_id not in node.inputs:
         return False
-    new, old = graph.values[node.outputs[0]].nbytes, graph.values[token_id].nbytes
-    return bool(new.is_number and old.is_number and new <= old)
+    try:  # concrete sizes only (a symbolic graph keeps the materialising chain)
+        return int(graph.values[node.outputs[0]].nbytes) <= int(graph.values[token_id].nbytes)
+    except TypeError:
+        return False
 
 
 def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
