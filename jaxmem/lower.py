@@ -31,7 +31,7 @@ from typing import Any
 import jax
 from jax import lax
 
-from jaxmem.graph import Graph
+from jaxmem.graph import Graph, Node
 from jaxmem.plan.analysis import Analysis, local_dims
 from jaxmem.rewrite import needs_rewrite, rewrite_level
 
@@ -63,6 +63,7 @@ def as_function(graph: Graph, enforce_order: bool = False) -> Callable[..., list
         env: dict[int, Any] = dict(consts)
         env.update(zip(graph.inputs, flat, strict=True))
         token: Any = None
+        token_id: int | None = None
         for node in graph.nodes:
             if node.eqn is None:  # a planner barrier
                 outs = lax.optimization_barrier(tuple(env[v] for v in node.inputs))
@@ -73,13 +74,31 @@ def as_function(graph: Graph, enforce_order: bool = False) -> Callable[..., list
                     *invals, _ = lax.optimization_barrier((*invals, token))
                     invals = list(invals)
                 outs = _bind(node.eqn, invals)
-                if enforce_order and node.kind in _SYNC_KINDS and outs:
-                    token = outs[0]
+                if enforce_order and outs and _takes_token(graph, node, token_id):
+                    token, token_id = outs[0], node.outputs[0]
             for v, x in zip(node.outputs, outs, strict=True):
                 env[v] = x
         return [env[v] for v in graph.outputs]
 
     return run
+
+
+def _takes_token(graph: Graph, node: Node, token_id: int | None) -> bool:
+    """Whether ``node``'s result becomes the value the next materialising node waits for.
+
+    A materialising node always; an elementwise node too when it reads the current
+    token and is no larger, so that the token's own buffer may die there (an ``exp``
+    of a dot's result then runs in place, instead of the dot's result staying alive
+    until the next barrier). The order is kept: the new token depends on the old one.
+    """
+    if node.kind in _SYNC_KINDS:
+        return True
+    if node.kind != "elementwise" or token_id is None or token_id not in node.inputs:
+        return False
+    try:  # concrete sizes only (a symbolic graph keeps the materialising chain)
+        return int(graph.values[node.outputs[0]].nbytes) <= int(graph.values[token_id].nbytes)
+    except TypeError:
+        return False
 
 
 def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
