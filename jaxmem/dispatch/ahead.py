@@ -14,9 +14,8 @@ figure, not measured here).
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
+import functools
 import math
-import statistics
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -26,6 +25,8 @@ import jax
 from jaxmem.dispatch.bind import bind_dims
 from jaxmem.dispatch.cache import done_future
 from jaxmem.dispatch.checks import split_args
+from jaxmem.dispatch.costs import CostLog
+from jaxmem.dispatch.store import AnalysisStore
 from jaxmem.errors import BudgetInfeasibleError
 from jaxmem.plan.analysis import Analysis
 from jaxmem.plan.compiles import CompilePlan, CompileProblem, Shape, fit_step_model
@@ -64,36 +65,6 @@ class CompilePool:
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-@dataclasses.dataclass
-class CostLog:
-    """Measured seconds: one entry per plan compiled, one per step reported.
-
-    Attributes:
-        compiles: ``(dims, seconds)`` of each plan made (tracing, lowering, every
-            level compiled to choose it).
-        steps: ``(dims, seconds)`` of each step the caller reported.
-    """
-
-    compiles: list[tuple[dict[str, int], float]] = dataclasses.field(default_factory=list)
-    steps: list[tuple[dict[str, int], float]] = dataclasses.field(default_factory=list)
-    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
-
-    def record_compile(self, dims: Mapping[str, int], seconds: float) -> None:
-        """Adds one plan's compile time."""
-        with self._lock:
-            self.compiles.append((dict(dims), seconds))
-
-    def record_step(self, dims: Mapping[str, int], seconds: float) -> None:
-        """Adds one step's measured time."""
-        with self._lock:
-            self.steps.append((dict(dims), seconds))
-
-    def median_compile_s(self) -> float | None:
-        """The median compile seconds, or None before the first compile."""
-        with self._lock:
-            return statistics.median(s for _, s in self.compiles) if self.compiles else None
-
-
 def level_at(plans: PlanSet, dims: Mapping[str, int], budget_bytes: int | None) -> int | None:
     """The level the guards select at ``dims`` (predictions only), or None if none fits."""
     return select_level(plans, dims, budget_bytes).level
@@ -119,19 +90,22 @@ def compile_problem(analysis: Analysis, calls: Sequence[Mapping[str, int]],
 
     samples = [(f, s) for d, s in list(log.steps) if (f := flops(d)) is not None]
     model = fit_step_model(samples, 1.0 / costs_for(backend).flops_per_s)
-    compile_s = log.median_compile_s()
-    if compile_s is None:
+    if not log.measured:
         raise ValueError("plan_compiles needs one compile measured first: compile one of "
                          "the announced shapes (plan_for or precompile) before planning")
     weight = 1.0 if backend == "cpu" else _OVERLAPPED_COMPILE_WEIGHT
+    cached = bool(jax.config.jax_compilation_cache_dir)
+
+    def compile_s(shape: Shape) -> float:
+        return weight * (log.compile_s(dict(zip(names, shape, strict=True)), cached) or 0.0)
 
     def step_s(shape: Shape) -> float | None:
         f = flops(dict(zip(names, shape, strict=True)))
         return None if f is None else model(f)
 
     return CompileProblem(
-        names, tuple(_shape(names, d) for d in calls), tuple(pad_dims), step_s,
-        lambda _: weight * compile_s, frozenset(_shape(names, d) for d in compiled))
+        names, tuple(_shape(names, d) for d in calls), tuple(pad_dims), step_s, compile_s,
+        frozenset(_shape(names, d) for d in compiled))
 
 
 def _shape(names: Sequence[str], dims: Mapping[str, int]) -> Shape:
@@ -139,7 +113,7 @@ def _shape(names: Sequence[str], dims: Mapping[str, int]) -> Shape:
 
 
 def plan_compiles(jitted: Any, calls: Sequence[tuple[Any, ...]], pad_dims: Sequence[str],
-                  made: Sequence[Mapping[str, int]]) -> CompilePlan:
+                  made: Sequence[Mapping[str, int]], store: AnalysisStore) -> CompilePlan:
     """The compile plan of a :class:`~jaxmem.Jitted` for announced ``calls``.
 
     Args:
@@ -148,6 +122,8 @@ def plan_compiles(jitted: Any, calls: Sequence[tuple[Any, ...]], pad_dims: Seque
         pad_dims: the dims the caller may pad (right-padding that leaves results as they
             are, e.g. loss-masked sequence positions of a causal model).
         made: dims of the plans compiled so far (they cost nothing to reuse).
+        store: the function's disk store: the costs earlier runs measured are read from
+            it before the first plan, and this run's are written back after each.
 
     Returns:
         The :class:`~jaxmem.plan.compiles.CompilePlan` (from the scheduler's
@@ -162,7 +138,10 @@ def plan_compiles(jitted: Any, calls: Sequence[tuple[Any, ...]], pad_dims: Seque
         return empty_plan()
     analysis = jitted.analysis(*calls[0])
     dims = [bind_dims(analysis, split_args(c, jitted.static_argnums)[1]) for c in calls]
-    if not jitted.costs.compiles:  # every plan compiles the largest call: time it
+    if jitted.costs.writer is None:
+        store.read_costs(analysis, jitted.budget_bytes, jitted.costs)
+        jitted.costs.writer = functools.partial(store.write_costs, analysis, jitted.budget_bytes)
+    if not jitted.costs.measured:  # every plan compiles the largest call: time it
         largest = max(range(len(calls)), key=lambda i: math.prod(dims[i].values()))
         try:
             jitted.plan_for(*calls[largest])
@@ -173,6 +152,7 @@ def plan_compiles(jitted: Any, calls: Sequence[tuple[Any, ...]], pad_dims: Seque
     problem = compile_problem(analysis, dims, pad_dims, jitted.budget_bytes,
                               [d for d in made if set(d) == names], jitted.costs)
     chosen = jitted.scheduler.compile_plan(problem)
+    jitted.costs.save()
     return chosen if chosen is not None else optimal_plan(problem)
 
 

@@ -331,9 +331,9 @@ class Jitted:
         return plan.run(*args)
 
     def close(self) -> None:
-        """Cancels queued background compiles and ends the compile threads (plans made so
-        far stay usable; a later ``precompile`` starts new threads)."""
+        """Cancels queued compiles, ends the compile threads, stores the measured costs."""
         self._pool.close()
+        self.costs.save()
 
     def plan_compiles(self, calls: Iterable[Sequence[Any]], pad_dims: Sequence[str]
                       ) -> CompilePlan:
@@ -343,7 +343,7 @@ class Jitted:
         may override the choice. Before the first compile it compiles the largest call.
         """
         made = [p.dims for p in self._plans.values()]
-        return plan_compiles(self, [tuple(c) for c in calls], pad_dims, made)
+        return plan_compiles(self, [tuple(c) for c in calls], pad_dims, made, self._store)
 
     def precompile(self, shapes: Iterable[Sequence[Any]], background: bool = True,
                    workers: int = 2) -> list[concurrent.futures.Future[Plan]]:

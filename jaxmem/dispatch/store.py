@@ -51,6 +51,7 @@ from typing import Any
 import jax
 import jaxlib
 
+from jaxmem.dispatch.costs import CostLog, costs_path
 from jaxmem.exprjson import UnencodableError
 from jaxmem.graph import JaxmemWarning
 from jaxmem.plan.analysis import Analysis, Orders, PlanInputs, derive_plans
@@ -200,6 +201,31 @@ class AnalysisStore:
         self.built = 0
         self.seconds = 0.0
         self._lock = threading.Lock()
+        self._keys: dict[int, str] = {}  # id(analysis graph) -> its entry key
+
+    def _costs_entry(self, analysis: Analysis, budget_bytes: int | None
+                     ) -> tuple[pathlib.Path, str] | None:
+        directory = cache_directory(self.cache_dir)
+        key = self._keys.get(id(analysis.graph))
+        if directory is None or key is None:
+            return None
+        return costs_path(directory, key, budget_bytes), f"costs|{key}|{budget_bytes}"
+
+    def read_costs(self, analysis: Analysis, budget_bytes: int | None, log: CostLog) -> bool:
+        """Adds what earlier runs stored for ``analysis`` under the budget to ``log``."""
+        entry = self._costs_entry(analysis, budget_bytes)
+        stored = read_entry(*entry) if entry is not None else None
+        return stored is not None and log.merge_json(stored)
+
+    def write_costs(self, analysis: Analysis, budget_bytes: int | None, log: CostLog) -> None:
+        """Stores ``log`` for the next run; a failure only warns."""
+        entry = self._costs_entry(analysis, budget_bytes)
+        if entry is not None:
+            try:
+                write_entry(entry[0], entry[1], log.to_json())
+            except OSError as e:
+                warnings.warn(f"jaxmem: compile and step times not stored: {e}", JaxmemWarning,
+                              stacklevel=3)
 
     def analyze(self, run: Callable[[Callable[[PlanInputs], tuple[PlanSet, Orders]]], Analysis]
                 ) -> Analysis:
@@ -218,6 +244,8 @@ class AnalysisStore:
         path = key = None
         if directory is not None:
             key = entry_key(inputs)
+            with self._lock:
+                self._keys[id(inputs.graph)] = key
             path = entry_path(directory, key)
             stored = read_entry(path, key)
             if stored is not None:
