@@ -188,3 +188,32 @@ def test_a_right_padded_batch_gives_the_exact_shape_results() -> None:
     np.testing.assert_allclose(float(m_padded["loss"]), float(m_exact["loss"]), rtol=1e-5)
     np.testing.assert_allclose(float(m_padded["grad_norm"]), float(m_exact["grad_norm"]),
                                rtol=1e-4)
+
+
+class FirstStepFirst(SpyRunner):
+    """Decides only the first step at first (as jaxmem does before any step is timed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[int] = []
+
+    def plan_shapes(self, shapes: list[tuple[int, int]]) -> list[tuple[int, int] | None]:
+        self.asked.append(len(shapes))
+        if len(self.asked) == 1:
+            return [max(shapes)] + [None] * (len(shapes) - 1)
+        return list(shapes)
+
+
+def test_undecided_steps_are_announced_again() -> None:
+    lengths = [3, 17, 5, 11, 8, 2, 14, 6, 9, 12]
+    examples = [Example(np.arange(n + 1, dtype=np.int32), prompt_len=1) for n in lengths]
+    batcher = LengthGroupedBatcher(np.array(lengths), batch_size=2, seed=0, window_batches=2)
+    setup = types.SimpleNamespace(
+        batcher=batcher, dataset=types.SimpleNamespace(examples=examples),
+        tokenizer=types.SimpleNamespace(pad_id=0), batch_sharding=None)
+    cfg = parse_args(["--steps", "5", "--batch-size", "2", "--no-progress"])
+    runner, meta = FirstStepFirst(), {"losses": []}
+    train_loop(cfg, setup, runner, {"step": 0}, meta, None)
+    exact = [batcher.padded_length(batcher.batch_indices(k)) for k in range(5)]
+    assert runner.asked == [5, 4]
+    assert [s for _, s in runner.ran] == [max(exact)] + exact[1:]

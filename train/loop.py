@@ -167,14 +167,16 @@ def announce(cfg: TrainConfig, batcher: Any, runner: Any, run_lengths: dict[str,
              steps: range) -> None:
     """Fixes the length each of ``steps`` runs at and starts compiling those shapes.
 
-    A step's length is decided once, when it is first announced, and kept in
+    A step's length is decided once, when the runner first fixes it, and kept in
     ``run_lengths`` (saved with checkpoints, so a resumed run pads as the first did).
     """
     new = [k for k in steps if str(k) not in run_lengths]
     shapes = [(cfg.batch_size, batcher.padded_length(batcher.batch_indices(k))) for k in new]
-    for k, (_, length) in zip(new, runner.plan_shapes(shapes), strict=True):
-        run_lengths[str(k)] = length
-    runner.compile_ahead((cfg.batch_size, run_lengths[str(k)]) for k in steps)
+    for k, shape in zip(new, runner.plan_shapes(shapes) if new else [], strict=True):
+        if shape is not None:  # None: the runner decides it at a later announcement
+            run_lengths[str(k)] = shape[1]
+    runner.compile_ahead((cfg.batch_size, run_lengths[str(k)]) for k in steps
+                         if str(k) in run_lengths)
 
 
 def train_loop(
@@ -201,10 +203,9 @@ def train_loop(
             # planned already) and at least --compile-ahead steps.
             epoch_end = (step // batcher.batches_per_epoch + 1) * batcher.batches_per_epoch
             upto = min(end, max(epoch_end, step + cfg.compile_ahead))
-            if getattr(runner, "calibrating", False):
-                upto = step + 1  # time one step before planning the rest
             announce(cfg, batcher, runner, meta["run_lengths"], range(announced, upto))
-            announced = max(announced, upto)
+            announced = next((k for k in range(announced, upto)
+                              if str(k) not in meta["run_lengths"]), max(announced, upto))
             indices = batcher.batch_indices(step)
             if cfg.packing:  # rows of --max-len positions, several examples each
                 host = collate_packed(setup.dataset.examples, batcher.batch_rows(step),

@@ -272,21 +272,33 @@ class JaxmemRunner:
             self._ahead[shape] = future
             future.add_done_callback(lambda _, t=start: self._record(t, time.perf_counter()))
 
-    @property
-    def calibrating(self) -> bool:
-        """Whether no step has been timed yet: the compile plan then has no measured step
-        time to weigh padding against, so the loop announces one step first."""
-        return self.compile_plan == "cost" and not self.step.costs.steps
-
-    def plan_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
+    def plan_shapes(self, shapes: Sequence[Shape]) -> list[Shape | None]:
         """The shape each announced batch runs at, from jaxmem's compile plan.
 
         With ``compile_plan="cost"`` (and a state spec, unpacked rows), the shapes go to
         ``Jitted.plan_compiles`` with ``s`` paddable; otherwise each runs as it is.
+        Before any step has been timed (here or by an earlier run with the same cache),
+        only the first batch is decided: it runs at the largest announced shape, which
+        every plan compiles, so that its time calibrates the plan of the rest (None:
+        not decided yet, announce it again).
         """
         if (self.compile_plan != "cost" or self.state_spec is None or self.packed
                 or not shapes):
             return list(shapes)
+        first = not self.compile_plans
+        if first:  # read what earlier runs measured before judging calibration
+            self._plan([max(shapes, key=lambda x: x[1])])
+        if not self.step.costs.steps:
+            return [max(shapes, key=lambda x: x[1])] + [None] * (len(shapes) - 1)
+        plan = self._plan(shapes)
+        out: list[Shape | None] = []
+        for b, s in shapes:
+            cover = dict(zip(plan.names, plan.cover(tuple({"b": b, "s": s}[n]
+                                                          for n in plan.names)), strict=True))
+            out.append((cover["b"], cover["s"]))
+        return out
+
+    def _plan(self, shapes: Sequence[Shape]) -> Any:
         start = time.perf_counter()
         plan = self.step.plan_compiles(
             [(self.state_spec, batch_spec(s, self.batch_sharding)) for s in shapes], ("s",))
@@ -294,12 +306,7 @@ class JaxmemRunner:
         self._record(start, end)
         self.wait_s += end - start  # the loop waits for this (it may compile a shape)
         self.compile_plans.append(plan)
-        out = []
-        for b, s in shapes:
-            cover = dict(zip(plan.names, plan.cover(tuple({"b": b, "s": s}[n]
-                                                          for n in plan.names)), strict=True))
-            out.append((cover["b"], cover["s"]))
-        return out
+        return plan
 
     def prepare(self, state: Any, batch: dict[str, Any]) -> Any:
         """Plan (once) for ``batch``'s shape; record measured and predicted peaks.
