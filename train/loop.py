@@ -340,6 +340,8 @@ def make_summary(
         "compile_plans": [p.describe() for p in getattr(runner, "compile_plans", [])],
         "compile_plan_predicted_s": sum(p.predicted_s for p in getattr(runner, "compile_plans",
                                                                        [])),
+        # what the plans predict: the loop after the first plan's analysis and compile
+        "compile_plan_measured_s": loop_s - getattr(runner, "first_plan_s", 0.0),
         "analysis_s": runner.analyses[0],  # jaxmem's analyses; ~0 on a warm --cache-dir
         "analyses_loaded": runner.analyses[1],
         "compile_wait_s": wait_s,

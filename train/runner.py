@@ -224,6 +224,7 @@ class JaxmemRunner:
         self.compile_workers, self.packed = compile_workers, packed
         self.compile_plan = compile_plan
         self.compile_plans: list[Any] = []  # the CompilePlan of every announcement
+        self.first_plan_s = 0.0  # the first plan's wall time (analysis, first compile)
         self._ahead: dict[Shape, Future[Any]] = {}
         self._plans: dict[Shape, Any] = {}
         self._lock = threading.Lock()
@@ -305,6 +306,8 @@ class JaxmemRunner:
         end = time.perf_counter()
         self._record(start, end)
         self.wait_s += end - start  # the loop waits for this (it may compile a shape)
+        if not self.compile_plans:  # the first also analyses and compiles the largest call
+            self.first_plan_s = end - start
         self.compile_plans.append(plan)
         return plan
 
