@@ -158,18 +158,23 @@ def _chain_optimum(problem: CompileProblem, counts: Mapping[Shape, int], shapes:
                    usable: list[Shape], axis: int) -> list[Shape]:
     """Exact: ``best[j]`` is the least cost of serving every call up to candidate ``j``
     with ``j`` chosen; the calls between two chosen candidates run on the upper one."""
-    top_value = max(v[axis] for v in shapes)
     values = sorted(v[axis] for v in shapes for _ in range(counts[v]))
-    best: list[tuple[float, list[Shape]]] = []
+    served = [bisect.bisect_right(values, c[axis]) for c in usable]  # calls at or below
+    best: list[float] = []
+    back: list[int] = []  # the chosen candidate below j in best[j]'s plan (-1: none)
     for j, top in enumerate(usable):
         step, add = problem.step_s(top) or 0.0, _cost_to_add(problem, top)
-        upto = bisect.bisect_right(values, top[axis])
-        options = [(0.0, [], 0)] + [(cost, chosen, bisect.bisect_right(values, usable[i][axis]))
-                                    for i, (cost, chosen) in enumerate(best[:j])]
-        best.append(min(((cost + add + (upto - below) * step, [*chosen, top])
-                         for cost, chosen, below in options), key=lambda t: t[0]))
-    return min((best[j] for j, c in enumerate(usable) if c[axis] >= top_value),
-               key=lambda t: t[0])[1]
+        cost, below = min([(add + served[j] * step, -1)] + [
+            (best[i] + add + (served[j] - served[i]) * step, i) for i in range(j)])
+        best.append(cost)
+        back.append(below)
+    top_value = max(values)
+    j = min((j for j, c in enumerate(usable) if c[axis] >= top_value), key=best.__getitem__)
+    chosen = []
+    while j >= 0:
+        chosen.append(usable[j])
+        j = back[j]
+    return chosen[::-1]
 
 
 def _total(problem: CompileProblem, counts: Mapping[Shape, int], shapes: list[Shape],
