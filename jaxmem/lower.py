@@ -25,13 +25,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax import lax
 
-from jaxmem.graph import Graph
+from jaxmem.graph import Graph, bind_eqn
 from jaxmem.plan.analysis import Analysis, local_dims
 from jaxmem.rewrite import needs_rewrite, rewrite_level
 
@@ -72,7 +72,7 @@ def as_function(graph: Graph, enforce_order: bool = False) -> Callable[..., list
                 if enforce_order and node.kind in _SYNC_KINDS and token is not None:
                     *invals, _ = lax.optimization_barrier((*invals, token))
                     invals = list(invals)
-                outs = _bind(node.eqn, invals)
+                outs = bind_eqn(node.eqn, invals)
                 if enforce_order and node.kind in _SYNC_KINDS and outs:
                     token = outs[0]
             for v, x in zip(node.outputs, outs, strict=True):
@@ -80,14 +80,6 @@ def as_function(graph: Graph, enforce_order: bool = False) -> Callable[..., list
         return [env[v] for v in graph.outputs]
 
     return run
-
-
-def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    bound = eqn.primitive.get_bind_params(eqn.params)
-    # Older JAX returns (subfuns, params); newer JAX folds subfuns into params.
-    subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
-    out = eqn.primitive.bind(*subfuns, *invals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def xla_peak_bytes(compiled: Any) -> int:

@@ -37,6 +37,7 @@ import sympy
 from jaxmem.fastexpr import compile_expr
 from jaxmem.graph import Graph
 from jaxmem.memory import MemoryModel, memory_model
+from jaxmem.plan.loops import LoopPlan, find_scan_pairs, loop_candidates, with_loop_plan
 from jaxmem.plan.offload import Costs, costs_for
 from jaxmem.plan.remat import apply_remat, offload_chains, recompute_chains
 from jaxmem.plan.residuals import Residual, find_residuals
@@ -65,6 +66,8 @@ class Level:
         offloaded: the offloaded residuals.
         segments: for a segment level, the rule that picks its residuals on any trace
             of the step (:mod:`jaxmem.plan.segments`); None for a level of groups.
+        loops: for a loop level, the scan residuals its backward loops rebuild
+            (:mod:`jaxmem.plan.loops`), applied before its groups; else None.
     """
 
     recompute: tuple[str, ...]
@@ -75,6 +78,7 @@ class Level:
     offload: tuple[str, ...] = ()
     offloaded: tuple[Residual, ...] = ()
     segments: SegmentPlan | None = None
+    loops: LoopPlan | None = None
 
     @property
     def offload_bytes(self) -> sympy.Expr:
@@ -245,7 +249,9 @@ def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
         if picked is not None:
             search.accept(*picked)
     search.order.extend(sorted(remaining))
+    greedy = search.levels[-1]
     search.add_segment_levels()
+    search.add_loop_levels(greedy)
     for k, v in base.comparisons:
         search.tally[k] += v
     return PlanSet(dom, tuple((n, tuple(groups[n])) for n in search.order), tuple(search.levels),
@@ -345,6 +351,11 @@ class _Greedy:
             names = tuple(dict.fromkeys(r.group for r, _ in chains))
             candidates.append(Level(names, tuple(r for r, _ in chains), g2, m, flops,
                                     segments=plan))
+        self.keep_lowering(candidates)
+
+    def keep_lowering(self, candidates: list[Level]) -> None:
+        """Appends, cheapest first, each candidate whose peak at some sampled shape is below
+        every level's so far (and that re-runs more than the greedy chain's last level)."""
         greedy_flops = float(self.levels[-1].recompute_flops.subs(self.corner))
         points = self.dom.sample_points()
         self.tally["fallback"] += len(candidates)
@@ -354,3 +365,19 @@ class _Greedy:
                 continue  # the greedy chain already holds the cheaper plans
             if any(level.peak_fn(p) < min(lv.peak_fn(p) for lv in self.levels) for p in points):
                 self.levels.append(level)
+
+    def add_loop_levels(self, base: Level) -> None:
+        """Appends the loop plans (:mod:`jaxmem.plan.loops`) that lower the peak somewhere,
+        each on top of ``base``'s groups (the greedy chain's smallest level)."""
+        pairs = find_scan_pairs(self.graph)
+        if not pairs:
+            return
+        candidates = []
+        for plan in loop_candidates(self.graph, pairs, self.corner):
+            g2, chosen, moved = with_loop_plan(self.graph, plan, base.recompute, base.offload)
+            m = memory_model(g2, self.dom, donated=self.donated, symbolic=self.symbolic)
+            flops = sympy.expand(sympy.Add(*[n.flops for n in g2.nodes])
+                                 - sympy.Add(*[n.flops for n in self.graph.nodes]))
+            candidates.append(Level((*base.recompute, plan.name), chosen, g2, m, flops,
+                                    base.offload, moved, loops=plan))
+        self.keep_lowering(candidates)

@@ -1,0 +1,358 @@
+"""Recomputation inside loop bodies: the forward ``scan`` stops stacking what the backward
+``scan`` can rebuild.
+
+Differentiating ``lax.scan`` gives two loops in the step's jaxpr: the forward scan
+(under ``jvp(...)``) stacks, per iteration, every residual its body makes (its
+``ys``), and the backward scan (under ``transpose(...)``, reversed) reads them back
+as its ``xs``. A :class:`LoopPlan` rewrites such a pair: the chosen stacked
+residuals leave the forward scan, which stacks its carry (the layer input) instead
+where no residual already holds it, and the backward body re-runs the slice of the
+forward body that rebuilds them from that iteration's carry, ``xs`` and the loop's
+constants, plus any residuals still stacked, behind an ``optimization_barrier`` so
+XLA runs it inside that iteration. That is per-iteration ``jax.checkpoint``
+(``nothing_saveable``, or ``dots_saveable`` when ``save`` holds ``dot_general``),
+planned on the one trace of the step rather than written into the model. A body
+the user already checkpointed stacks little, and what it still stacks is
+rebuilt the same way.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem.graph import build_graph
+    >>> def loss(ws, x):
+    ...     body = lambda h, w: (jnp.tanh(h @ w), None)
+    ...     return (jax.lax.scan(body, x, ws)[0] ** 2).sum()
+    >>> g = build_graph(jax.make_jaxpr(jax.grad(loss))(jnp.ones((3, 8, 8)), jnp.ones((2, 8))))
+    >>> [len(p.droppable) for p in find_scan_pairs(g)]
+    [2]
+    >>> scan = lambda g: [n for n in g.nodes if n.primitive == "scan"][0]
+    >>> plan = LoopPlan(tuple(p.droppable for p in find_scan_pairs(g)))
+    >>> len(scan(apply_loop_plan(g, plan)).outputs) < len(scan(g).outputs)
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import sympy
+from jax.extend import core as jcore
+
+from jaxmem.graph import Builder, Graph, JaxmemWarning, Node, bind_eqn, build_graph
+from jaxmem.plan.remat import apply_remat
+from jaxmem.plan.residuals import Residual, find_residuals, is_forward
+
+#: Plans that rebuild only the largest stacked residuals: at most this many, one per
+#: size class from the largest down, before the plan that rebuilds them all.
+MAX_PARTIAL = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPlan:
+    """Which stacked residuals of each forward/backward scan pair to rebuild.
+
+    Positions, not values, so that the plan chosen on the symbolic trace applies to
+    every concrete trace of the same step (which has the same pairs).
+
+    Attributes:
+        drop: per pair of :func:`find_scan_pairs`, the forward ys positions rebuilt.
+        label: what the plan rebuilds, for people.
+    """
+
+    drop: tuple[tuple[int, ...], ...]
+    label: str = "every stacked residual"
+
+    @property
+    def name(self) -> str:
+        return f"scan bodies: rebuild {self.label} in the backward loop"
+
+    def fits(self, pairs: Sequence[ScanPair]) -> bool:
+        """Whether this plan's positions exist in ``pairs`` (another trace's pairs)."""
+        return len(pairs) == len(self.drop) and all(
+            set(d) <= set(p.droppable) for p, d in zip(pairs, self.drop, strict=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanPair:
+    """A forward scan and the backward scan that reads its stacked residuals.
+
+    Attributes:
+        forward: node index of the forward scan.
+        backward: node index of the backward scan.
+        reads: ``(forward ys position, backward operand position)`` of every stacked
+            residual the backward scan reads as its ``xs``.
+        droppable: the forward ys positions the backward body can rebuild (made by a
+            body equation and read by nothing but the backward scan).
+    """
+
+    forward: int
+    backward: int
+    reads: tuple[tuple[int, int], ...]
+    droppable: tuple[int, ...]
+
+
+def find_scan_pairs(graph: Graph) -> tuple[ScanPair, ...]:
+    """Every forward scan of ``graph`` whose stacked outputs a reversed backward scan reads."""
+    pairs = []
+    consumers = graph.consumers
+    for f in graph.nodes:
+        if f.primitive != "scan" or f.eqn is None or not is_forward(f.scope):
+            continue
+        pair = _pair(graph, f, consumers)
+        if pair is not None:
+            pairs.append(pair)
+    return tuple(pairs)
+
+
+def _pair(graph: Graph, f: Node, consumers: dict[int, tuple[int, ...]]) -> ScanPair | None:
+    """The pair ``f`` starts, if a backward scan of the same length reads its ``ys``."""
+    fp = f.eqn.params
+    ncar = fp["num_carry"]
+    ys = f.outputs[ncar:]
+    readers = {c for v in ys for c in consumers.get(v, ())}
+    backs = [graph.nodes[c] for c in sorted(readers)
+             if graph.nodes[c].primitive == "scan" and graph.nodes[c].is_backward
+             and graph.nodes[c].eqn.params["length"] == fp["length"]
+             and graph.nodes[c].eqn.params["reverse"] != fp["reverse"]]
+    if not backs:
+        return None
+    b = backs[0]
+    first_xs = b.eqn.params["num_consts"] + b.eqn.params["num_carry"]
+    reads = tuple((j, k) for j, v in enumerate(ys) for k, o in enumerate(b.operands)
+                  if o == v and k >= first_xs)
+    body = f.eqn.params["jaxpr"].jaxpr
+    made = {o: e for e in body.eqns for o in e.outvars}
+    read_once = {j for j, _ in reads if [j2 for j2, _ in reads].count(j) == 1}
+    droppable = tuple(
+        j for j, v in enumerate(ys)
+        if j in read_once and not isinstance(out := body.outvars[ncar + j], jcore.Literal)
+        and out in made and not made[out].effects
+        and consumers.get(v, ()) == (b.index,) and v not in graph.outputs)
+    return ScanPair(f.index, b.index, reads, droppable) if droppable else None
+
+
+def loop_candidates(graph: Graph, pairs: Sequence[ScanPair],
+                    corner: Mapping[Any, int]) -> tuple[LoopPlan, ...]:
+    """The loop plans worth scoring: the largest stacked residuals first, then all.
+
+    Residuals are taken by size class at the domain's ``corner`` (the attention
+    probabilities before the layer-norm statistics), each plan rebuilding every
+    class from the largest down to one more than the plan before; the last one
+    rebuilds every residual the bodies can (per-iteration ``nothing_saveable``).
+    """
+    def size(p: ScanPair, j: int) -> float:
+        v = graph.nodes[p.forward].outputs[graph.nodes[p.forward].eqn.params["num_carry"] + j]
+        return float(graph.values[v].nbytes.subs(corner))
+
+    sizes = sorted({size(p, j) for p in pairs for j in p.droppable}, reverse=True)
+    every = LoopPlan(tuple(p.droppable for p in pairs))
+    plans = [LoopPlan(tuple(tuple(j for j in p.droppable if size(p, j) >= t) for p in pairs),
+                      f"the {k + 1} largest kind(s) of stacked residual")
+             for k, t in enumerate(sizes[:MAX_PARTIAL])]
+    return (*[p for p in plans if p.drop != every.drop], every)
+
+
+def with_loop_plan(graph: Graph, plan: LoopPlan, recompute: Sequence[str] = (),
+                   offload: Sequence[str] = ()
+                   ) -> tuple[Graph, tuple[Residual, ...], tuple[Residual, ...]]:
+    """``plan`` applied to ``graph``, then the residual groups named in ``recompute`` and
+    ``offload`` (:func:`~jaxmem.plan.remat.apply_remat`); the graph, and the residuals
+    recomputed and offloaded. The planner scores, and the rewrite runs, exactly this."""
+    g = apply_loop_plan(graph, plan)
+    residuals = find_residuals(g)
+    chosen = tuple(r for r in residuals if r.group in set(recompute))
+    moved = tuple(r for r in residuals if r.group in set(offload))
+    return apply_remat(g, chosen, moved, residuals), chosen, moved
+
+
+def apply_loop_plan(graph: Graph, plan: LoopPlan) -> Graph:
+    """``graph`` with every scan pair rewritten by ``plan`` (``graph`` itself if none is).
+
+    Original values keep their ids (a dropped residual is simply made by no node);
+    the carries the forward scan now stacks are new values appended after them. A
+    plan whose positions this graph's pairs lack (a trace unlike the one it was
+    planned on) leaves the graph as it is, with a warning.
+    """
+    pairs = find_scan_pairs(graph)
+    if not plan.fits(pairs):
+        warnings.warn(f"jaxmem: this trace's scan loops differ from those {plan.name!r} was "
+                      "planned on; it is not applied at this shape", JaxmemWarning, stacklevel=3)
+        return graph
+    builder = Builder()
+    builder.values = list(graph.values)
+    replaced: dict[int, Node] = {}
+    for pair, drop in zip(pairs, plan.drop, strict=True):
+        if drop:
+            replaced.update(_rewrite_pair(graph, pair, drop, builder))
+    if not replaced:
+        return graph
+    nodes = [dataclasses.replace(replaced.get(n.index, n), index=n.index) for n in graph.nodes]
+    return Graph(tuple(builder.values), tuple(nodes), graph.inputs, graph.outputs, graph.consts)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slice:
+    """What the backward body needs to rebuild the dropped residuals of one pair.
+
+    Attributes:
+        eqns: the forward body's equations to re-run, in order.
+        consts, xs: forward body invar positions (within their section) whose values
+            the backward scan must now receive.
+        stacked: carry positions the forward scan must newly stack.
+        held: forward body variable -> backward operand position already holding it
+            (stacked residuals still saved, a carry some residual stacks already).
+    """
+
+    eqns: tuple[Any, ...]
+    consts: tuple[int, ...]
+    xs: tuple[int, ...]
+    stacked: tuple[int, ...]
+    held: tuple[tuple[Any, int], ...]
+
+
+def _slice(f: Node, pair: ScanPair, drop: Sequence[int]) -> _Slice:
+    """The forward body's slice that rebuilds ``drop`` from what the backward scan can hold."""
+    fp = f.eqn.params
+    body = fp["jaxpr"].jaxpr
+    nc, ncar = fp["num_consts"], fp["num_carry"]
+    held = {body.outvars[ncar + j]: k for j, k in pair.reads if j not in drop
+            and not isinstance(body.outvars[ncar + j], jcore.Literal)}
+    leaves = set(body.invars) | set(held)
+    need = {body.outvars[ncar + j] for j in drop}
+    eqns = []
+    for e in reversed(body.eqns):
+        if any(o in need for o in e.outvars):
+            eqns.append(e)
+            need.update(v for v in e.invars
+                        if not isinstance(v, jcore.Literal) and v not in leaves)
+            need.difference_update(e.outvars)
+    eqns.reverse()
+    read = {v for e in eqns for v in e.invars if not isinstance(v, jcore.Literal)}
+    pos = {v: i for i, v in enumerate(body.invars)}
+    used = sorted(pos[v] for v in read if v in pos and v not in held)
+    return _Slice(tuple(eqns), tuple(i for i in used if i < nc),
+                  tuple(i - nc - ncar for i in used if i >= nc + ncar),
+                  tuple(i - nc for i in used if nc <= i < nc + ncar),
+                  tuple((v, k) for v, k in held.items() if v in read))
+
+
+def _rewrite_pair(graph: Graph, pair: ScanPair, drop: Sequence[int],
+                  builder: Builder) -> dict[int, Node]:
+    """The two new scan nodes of ``pair`` with ``drop`` rebuilt in the backward body."""
+    f, b = graph.nodes[pair.forward], graph.nodes[pair.backward]
+    sl = _slice(f, pair, drop)
+    fp = f.eqn.params
+    nc, ncar = fp["num_consts"], fp["num_carry"]
+    fbody = fp["jaxpr"].jaxpr
+    ys_keep = [j for j in range(len(f.outputs) - ncar) if j not in drop]
+    stacked_avals = [fbody.invars[nc + c].aval for c in sl.stacked]
+    stacked_avals = [a.update(shape=(fp["length"], *a.shape)) for a in stacked_avals]
+    new_vars = [jcore.Var(a) for a in stacked_avals]
+    new_vals = [builder.new_value(a) for a in stacked_avals]
+    fwd_body = _forward_body(fp["jaxpr"], ncar, ys_keep, [nc + c for c in sl.stacked])
+    f_eqn = f.eqn.replace(outvars=[*f.eqn.outvars[:ncar],
+                                   *[f.eqn.outvars[ncar + j] for j in ys_keep], *new_vars],
+                          params=dict(fp, jaxpr=fwd_body))
+    f_node = _control_node(f, f_eqn, list(f.operands),
+                           [*f.outputs[:ncar], *[f.outputs[ncar + j] for j in ys_keep],
+                            *new_vals])
+    bp = b.eqn.params
+    bnc, bncar = bp["num_consts"], bp["num_carry"]
+    gone = {k for j, k in pair.reads if j in drop}
+    b_xs = [k for k in range(bnc + bncar, len(b.operands)) if k not in gone]
+    f_consts = list(sl.consts)
+    f_xs = [nc + ncar + i for i in sl.xs]
+    atoms = ([*b.eqn.invars[:bnc], *[f.eqn.invars[i] for i in f_consts],
+              *b.eqn.invars[bnc:bnc + bncar], *[b.eqn.invars[k] for k in b_xs],
+              *[f.eqn.invars[i] for i in f_xs], *new_vars])
+    operands = ([*b.operands[:bnc], *[f.operands[i] for i in f_consts],
+                 *b.operands[bnc:bnc + bncar], *[b.operands[k] for k in b_xs],
+                 *[f.operands[i] for i in f_xs], *new_vals])
+    params = dict(bp, jaxpr=_backward_body(f, b, sl, pair, drop, b_xs),
+                  num_consts=bnc + len(f_consts))
+    if "linear" in bp:  # older JAX marks each operand linear or not
+        lin = bp["linear"]
+        params["linear"] = (*lin[:bnc], *[False] * len(f_consts), *lin[bnc:bnc + bncar],
+                            *[lin[k] for k in b_xs], *[False] * (len(f_xs) + len(new_vals)))
+    b_eqn = b.eqn.replace(invars=atoms, params=params)
+    return {f.index: f_node, b.index: _control_node(b, b_eqn, operands, list(b.outputs))}
+
+
+def _control_node(old: Node, eqn: Any, operands: list[int | None], outputs: list[int]) -> Node:
+    """``old`` running ``eqn`` instead: its body as a sub-graph, its FLOPs re-counted."""
+    sub = build_graph(eqn.params["jaxpr"])
+    flops = sympy.expand(sympy.Integer(eqn.params["length"]) * sympy.Add(
+        *[n.flops for n in sub.nodes]))
+    return dataclasses.replace(old, eqn=eqn, operands=tuple(operands), subgraphs=(sub,),
+                               inputs=tuple(o for o in operands if o is not None),
+                               outputs=tuple(outputs), flops=flops)
+
+
+def _spec(var: Any) -> jax.ShapeDtypeStruct:
+    a = var.aval
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+
+
+def _forward_body(closed: Any, ncar: int, ys_keep: Sequence[int],
+                  stack: Sequence[int]) -> Any:
+    """The forward body returning its carry, the ys kept, and the carries in ``stack``."""
+    run = jcore.jaxpr_as_fun(closed)
+
+    def body(*args: Any) -> list[Any]:
+        outs = run(*args)
+        return [*outs[:ncar], *[outs[ncar + j] for j in ys_keep], *[args[i] for i in stack]]
+
+    return jax.make_jaxpr(body)(*[_spec(v) for v in closed.jaxpr.invars])
+
+
+def _backward_body(f: Node, b: Node, sl: _Slice, pair: ScanPair, drop: Sequence[int],
+                   b_xs: Sequence[int]) -> Any:
+    """The backward body that first rebuilds the dropped residuals, then runs as before.
+
+    Its invars: the backward consts, the forward consts the slice reads, the backward
+    carry, the backward xs still stacked, the forward xs the slice reads, and the
+    forward carries now stacked (in that order, as :func:`_rewrite_pair` passes them).
+    """
+    fp, bp = f.eqn.params, b.eqn.params
+    fbody = fp["jaxpr"].jaxpr
+    nc, ncar = fp["num_consts"], fp["num_carry"]
+    bnc, bncar = bp["num_consts"], bp["num_carry"]
+    bbody = bp["jaxpr"].jaxpr
+    run = jcore.jaxpr_as_fun(bp["jaxpr"])
+    sections = [bnc, len(sl.consts), bncar, len(b_xs), len(sl.xs), len(sl.stacked)]
+    specs = [*[_spec(v) for v in bbody.invars[:bnc]],
+             *[_spec(fbody.invars[i]) for i in sl.consts],
+             *[_spec(v) for v in bbody.invars[bnc:bnc + bncar]],
+             *[_spec(bbody.invars[k]) for k in b_xs],
+             *[_spec(fbody.invars[nc + ncar + i]) for i in sl.xs],
+             *[_spec(fbody.invars[nc + c]) for c in sl.stacked]]
+
+    def body(*args: Any) -> list[Any]:
+        parts, start = [], 0
+        for n in sections:
+            parts.append(list(args[start:start + n]))
+            start += n
+        bconsts, fconsts, carry, xs, fxs, stacked = parts
+        at = dict(zip(b_xs, xs, strict=True))
+        env = dict(zip([fbody.invars[i] for i in sl.consts], fconsts, strict=True))
+        env.update(zip([fbody.invars[nc + ncar + i] for i in sl.xs], fxs, strict=True))
+        env.update(zip([fbody.invars[nc + c] for c in sl.stacked], stacked, strict=True))
+        env.update((v, at[k]) for v, k in sl.held)
+        # The barrier ties the rebuild's sources to this iteration's incoming carry, so
+        # XLA runs the rebuild inside the iteration, after the one before it.
+        keys = list(env)
+        vals, carry = jax.lax.optimization_barrier(([env[k] for k in keys], carry))
+        env = dict(zip(keys, vals, strict=True))
+        for e in sl.eqns:
+            outs = bind_eqn(e, [v.val if isinstance(v, jcore.Literal) else env[v]
+                                for v in e.invars])
+            env.update(zip(e.outvars, outs, strict=True))
+        for j, k in pair.reads:
+            if j in drop:
+                at[k] = env[fbody.outvars[ncar + j]]
+        return run(*bconsts, *carry, *[at[k] for k in range(bnc + bncar, len(bbody.invars))])
+
+    return jax.make_jaxpr(body)(*specs)
