@@ -214,6 +214,11 @@ def _efficiency(graph: Graph, chosen: list[Residual], group: list[Residual],
 
 _MIN_GROUP_FRACTION = 0.01  # of the unplanned peak at the domain's largest corner
 
+#: A loop plan that rebuilds more must lower the peak by this share somewhere: plans
+#: rebuilding the last, small residuals would otherwise each cost a level (and a
+#: compile while selecting) for a fraction of a per cent.
+LOOP_MARGIN = 0.01
+
 
 def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
                 donated: tuple[int, ...] = (), max_levels: int = 16, offload: bool = False,
@@ -353,9 +358,10 @@ class _Greedy:
                                     segments=plan))
         self.keep_lowering(candidates)
 
-    def keep_lowering(self, candidates: list[Level]) -> None:
+    def keep_lowering(self, candidates: list[Level], margin: float = 0.0) -> None:
         """Appends, cheapest first, each candidate whose peak at some sampled shape is below
-        every level's so far (and that re-runs more than the greedy chain's last level)."""
+        every level's so far by more than ``margin`` of it (and that re-runs more than the
+        greedy chain's last level)."""
         greedy_flops = float(self.levels[-1].recompute_flops.subs(self.corner))
         points = self.dom.sample_points()
         self.tally["fallback"] += len(candidates)
@@ -363,7 +369,8 @@ class _Greedy:
                 self.corner))):
             if float(level.recompute_flops.subs(self.corner)) < greedy_flops:
                 continue  # the greedy chain already holds the cheaper plans
-            if any(level.peak_fn(p) < min(lv.peak_fn(p) for lv in self.levels) for p in points):
+            if any(level.peak_fn(p) < (1 - margin) * min(lv.peak_fn(p) for lv in self.levels)
+                   for p in points):
                 self.levels.append(level)
 
     def add_loop_levels(self, base: Level) -> None:
@@ -380,4 +387,4 @@ class _Greedy:
                                  - sympy.Add(*[n.flops for n in self.graph.nodes]))
             candidates.append(Level((*base.recompute, plan.name), chosen, g2, m, flops,
                                     base.offload, moved, loops=plan))
-        self.keep_lowering(candidates)
+        self.keep_lowering(candidates, LOOP_MARGIN)
