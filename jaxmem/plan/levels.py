@@ -140,10 +140,15 @@ class PlanSet:
         for k, level in enumerate(self.levels):
             added = ([f"recompute {g}" for g in level.recompute if g not in seen_r]
                      + [f"offload {g}" for g in level.offload if g not in seen_o])
+            if level.loops is not None:  # loop levels do not extend the level before them
+                groups = len(level.recompute) + len(level.offload) - 1
+                added = [level.loops.name] + ([f"and the {groups} group(s) of the greedy "
+                                               "chain's last level"] if groups else [])
             seen_r, seen_o = level.recompute, level.offload
             shown = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3
                                             else "")
-            what = "save every residual" if k == 0 else "+ " + shown
+            what = ("save every residual" if k == 0 else
+                    shown if level.loops is not None else "+ " + shown)
             expr = str(level.memory.peak_bytes)
             expr = expr if len(expr) <= 120 else expr[:117] + "..."
             lines.append(f"  level {k}: {what}")
@@ -375,16 +380,18 @@ class _Greedy:
 
     def add_loop_levels(self, base: Level) -> None:
         """Appends the loop plans (:mod:`jaxmem.plan.loops`) that lower the peak somewhere,
-        each on top of ``base``'s groups (the greedy chain's smallest level)."""
+        each alone and on top of ``base``'s groups (the greedy chain's smallest level)."""
         pairs = find_scan_pairs(self.graph)
         if not pairs:
             return
+        bases = list(dict.fromkeys([((), ()), (base.recompute, base.offload)]))
         candidates = []
         for plan in loop_candidates(self.graph, pairs, self.corner):
-            g2, chosen, moved = with_loop_plan(self.graph, plan, base.recompute, base.offload)
-            m = memory_model(g2, self.dom, donated=self.donated, symbolic=self.symbolic)
-            flops = sympy.expand(sympy.Add(*[n.flops for n in g2.nodes])
-                                 - sympy.Add(*[n.flops for n in self.graph.nodes]))
-            candidates.append(Level((*base.recompute, plan.name), chosen, g2, m, flops,
-                                    base.offload, moved, loops=plan))
+            for recompute, offload in bases:
+                g2, chosen, moved = with_loop_plan(self.graph, plan, recompute, offload)
+                m = memory_model(g2, self.dom, donated=self.donated, symbolic=self.symbolic)
+                flops = sympy.expand(sympy.Add(*[n.flops for n in g2.nodes])
+                                     - sympy.Add(*[n.flops for n in self.graph.nodes]))
+                candidates.append(Level((*recompute, plan.name), chosen, g2, m, flops,
+                                        offload, moved, loops=plan))
         self.keep_lowering(candidates, LOOP_MARGIN)
