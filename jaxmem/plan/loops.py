@@ -42,6 +42,7 @@ import sympy
 from jax.extend import core as jcore
 
 from jaxmem.graph import Builder, Graph, JaxmemWarning, Node, bind_eqn, build_graph
+from jaxmem.graph.build import dim_of
 from jaxmem.plan.remat import apply_remat
 from jaxmem.plan.residuals import Residual, find_residuals, is_forward
 
@@ -284,7 +285,7 @@ def _rewrite_pair(graph: Graph, pair: ScanPair, drop: Sequence[int],
 def _control_node(old: Node, eqn: Any, operands: list[int | None], outputs: list[int]) -> Node:
     """``old`` running ``eqn`` instead: its body as a sub-graph, its FLOPs re-counted."""
     sub = build_graph(eqn.params["jaxpr"])
-    flops = sympy.expand(sympy.Integer(eqn.params["length"]) * sympy.Add(
+    flops = sympy.expand(dim_of(eqn.params["length"]) * sympy.Add(
         *[n.flops for n in sub.nodes]))
     return dataclasses.replace(old, eqn=eqn, operands=tuple(operands), subgraphs=(sub,),
                                inputs=tuple(o for o in operands if o is not None),
