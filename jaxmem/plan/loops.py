@@ -97,13 +97,14 @@ class ScanPair:
 
 def find_scan_pairs(graph: Graph) -> tuple[ScanPair, ...]:
     """Every forward scan of ``graph`` whose stacked outputs a reversed backward scan reads."""
-    pairs = []
+    pairs: list[ScanPair] = []
     consumers = graph.consumers
     for f in graph.nodes:
         if f.primitive != "scan" or f.eqn is None or not is_forward(f.scope):
             continue
         pair = _pair(graph, f, consumers)
-        if pair is not None:
+        # One rewrite per backward scan: a second forward scan feeding it stays as it is.
+        if pair is not None and all(p.backward != pair.backward for p in pairs):
             pairs.append(pair)
     return tuple(pairs)
 
@@ -131,7 +132,8 @@ def _pair(graph: Graph, f: Node, consumers: dict[int, tuple[int, ...]]) -> ScanP
         j for j, v in enumerate(ys)
         if j in read_once and not isinstance(out := body.outvars[ncar + j], jcore.Literal)
         and out in made and not made[out].effects
-        and consumers.get(v, ()) == (b.index,) and v not in graph.outputs)
+        and consumers.get(v, ()) == (b.index,) and b.operands.count(v) == 1
+        and v not in graph.outputs)
     return ScanPair(f.index, b.index, reads, droppable) if droppable else None
 
 
@@ -221,7 +223,7 @@ def _slice(f: Node, pair: ScanPair, drop: Sequence[int]) -> _Slice:
     nc, ncar = fp["num_consts"], fp["num_carry"]
     held = {body.outvars[ncar + j]: k for j, k in pair.reads if j not in drop
             and not isinstance(body.outvars[ncar + j], jcore.Literal)}
-    leaves = set(body.invars) | set(held)
+    leaves = set(body.invars) | set(body.constvars) | set(held)
     need = {body.outvars[ncar + j] for j in drop}
     eqns = []
     for e in reversed(body.eqns):
@@ -338,7 +340,8 @@ def _backward_body(f: Node, b: Node, sl: _Slice, pair: ScanPair, drop: Sequence[
             start += n
         bconsts, fconsts, carry, xs, fxs, stacked = parts
         at = dict(zip(b_xs, xs, strict=True))
-        env = dict(zip([fbody.invars[i] for i in sl.consts], fconsts, strict=True))
+        env = dict(zip(fbody.constvars, fp["jaxpr"].consts, strict=True))
+        env.update(zip([fbody.invars[i] for i in sl.consts], fconsts, strict=True))
         env.update(zip([fbody.invars[nc + ncar + i] for i in sl.xs], fxs, strict=True))
         env.update(zip([fbody.invars[nc + c] for c in sl.stacked], stacked, strict=True))
         env.update((v, at[k]) for v, k in sl.held)
