@@ -37,10 +37,11 @@ import sympy
 from jaxmem.fastexpr import compile_expr
 from jaxmem.graph import Graph
 from jaxmem.memory import MemoryModel, memory_model
-from jaxmem.plan.loops import LoopPlan, find_scan_pairs, loop_candidates, with_loop_plan
+from jaxmem.plan.loops import LoopPlan, loop_candidates, with_loop_plan
 from jaxmem.plan.offload import Costs, costs_for
 from jaxmem.plan.remat import apply_remat, offload_chains, recompute_chains
 from jaxmem.plan.residuals import Residual, find_residuals
+from jaxmem.plan.scan_pairs import find_scan_pairs
 from jaxmem.plan.segments import (
     SegmentPlan,
     find_segments,

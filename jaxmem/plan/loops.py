@@ -4,16 +4,16 @@
 Differentiating ``lax.scan`` gives two loops in the step's jaxpr: the forward scan
 (under ``jvp(...)``) stacks, per iteration, every residual its body makes (its
 ``ys``), and the backward scan (under ``transpose(...)``, reversed) reads them back
-as its ``xs``. A :class:`LoopPlan` rewrites such a pair: the chosen stacked
-residuals leave the forward scan, which stacks its carry (the layer input) instead
-where no residual already holds it, and the backward body re-runs the slice of the
-forward body that rebuilds them from that iteration's carry, ``xs`` and the loop's
-constants, plus any residuals still stacked, behind an ``optimization_barrier`` so
-XLA runs it inside that iteration. That is per-iteration ``jax.checkpoint``
-(``nothing_saveable``, or ``dots_saveable`` when ``save`` holds ``dot_general``),
+as its ``xs`` (:mod:`jaxmem.plan.scan_pairs` finds such pairs and rewrites their
+bodies). A :class:`LoopPlan` says which stacked residuals leave the forward scan:
+the backward body re-runs the slice of the forward body that rebuilds them from that
+iteration's carry (the layer input, which the forward scan now stacks unless a kept
+residual holds it), ``xs`` and the loop's constants, plus the residuals still
+stacked and, for a plan that saves them, the body's matmul outputs. That is
+per-iteration ``jax.checkpoint`` (``nothing_saveable``, or ``dots_saveable``),
 planned on the one trace of the step rather than written into the model. A body
-the user already checkpointed stacks little, and what it still stacks is
-rebuilt the same way.
+the user already checkpointed stacks little, and what it still stacks is rebuilt
+the same way.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -22,11 +22,11 @@ Example:
     ...     body = lambda h, w: (jnp.tanh(h @ w), None)
     ...     return (jax.lax.scan(body, x, ws)[0] ** 2).sum()
     >>> g = build_graph(jax.make_jaxpr(jax.grad(loss))(jnp.ones((3, 8, 8)), jnp.ones((2, 8))))
-    >>> [len(p.droppable) for p in find_scan_pairs(g)]
-    [2]
+    >>> plans = loop_candidates(g, find_scan_pairs(g), {})
+    >>> [p.label for p in plans]
+    ['every stacked residual but matmul outputs', 'every stacked residual']
     >>> scan = lambda g: [n for n in g.nodes if n.primitive == "scan"][0]
-    >>> plan = LoopPlan(tuple(p.droppable for p in find_scan_pairs(g)))
-    >>> len(scan(apply_loop_plan(g, plan)).outputs) < len(scan(g).outputs)
+    >>> len(scan(apply_loop_plan(g, plans[-1])).outputs) < len(scan(g).outputs)
     True
 """
 
@@ -37,14 +37,10 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
-import sympy
-from jax.extend import core as jcore
-
-from jaxmem.graph import Builder, Graph, JaxmemWarning, Node, bind_eqn, build_graph
-from jaxmem.graph.build import dim_of
+from jaxmem.graph import Builder, Graph, JaxmemWarning, Node
 from jaxmem.plan.remat import apply_remat
-from jaxmem.plan.residuals import Residual, find_residuals, is_forward
+from jaxmem.plan.residuals import Residual, find_residuals
+from jaxmem.plan.scan_pairs import ScanPair, find_scan_pairs, rewrite_pair
 
 #: Plans that rebuild only the largest stacked residuals: at most this many, one per
 #: size class from the largest down, before the plan that rebuilds them all.
@@ -59,11 +55,16 @@ class LoopPlan:
     every concrete trace of the same step (which has the same pairs).
 
     Attributes:
-        drop: per pair of :func:`find_scan_pairs`, the forward ys positions rebuilt.
+        drop: per pair of :func:`~jaxmem.plan.scan_pairs.find_scan_pairs`, the forward
+            ys positions rebuilt.
+        save: per pair, the positions of forward body equations whose outputs the
+            rebuild may read, stacked instead (matmul outputs, as ``dots_saveable``);
+            empty: the rebuild starts from the layer input.
         label: what the plan rebuilds, for people.
     """
 
     drop: tuple[tuple[int, ...], ...]
+    save: tuple[tuple[int, ...], ...] = ()
     label: str = "every stacked residual"
 
     @property
@@ -76,75 +77,15 @@ class LoopPlan:
             set(d) <= set(p.droppable) for p, d in zip(pairs, self.drop, strict=True))
 
 
-@dataclasses.dataclass(frozen=True)
-class ScanPair:
-    """A forward scan and the backward scan that reads its stacked residuals.
-
-    Attributes:
-        forward: node index of the forward scan.
-        backward: node index of the backward scan.
-        reads: ``(forward ys position, backward operand position)`` of every stacked
-            residual the backward scan reads as its ``xs``.
-        droppable: the forward ys positions the backward body can rebuild (made by a
-            body equation and read by nothing but the backward scan).
-    """
-
-    forward: int
-    backward: int
-    reads: tuple[tuple[int, int], ...]
-    droppable: tuple[int, ...]
-
-
-def find_scan_pairs(graph: Graph) -> tuple[ScanPair, ...]:
-    """Every forward scan of ``graph`` whose stacked outputs a reversed backward scan reads."""
-    pairs: list[ScanPair] = []
-    consumers = graph.consumers
-    for f in graph.nodes:
-        if f.primitive != "scan" or f.eqn is None or not is_forward(f.scope):
-            continue
-        pair = _pair(graph, f, consumers)
-        # One rewrite per backward scan: a second forward scan feeding it stays as it is.
-        if pair is not None and all(p.backward != pair.backward for p in pairs):
-            pairs.append(pair)
-    return tuple(pairs)
-
-
-def _pair(graph: Graph, f: Node, consumers: dict[int, tuple[int, ...]]) -> ScanPair | None:
-    """The pair ``f`` starts, if a backward scan of the same length reads its ``ys``."""
-    fp = f.eqn.params
-    ncar = fp["num_carry"]
-    ys = f.outputs[ncar:]
-    readers = {c for v in ys for c in consumers.get(v, ())}
-    backs = [graph.nodes[c] for c in sorted(readers)
-             if graph.nodes[c].primitive == "scan" and graph.nodes[c].is_backward
-             and graph.nodes[c].eqn.params["length"] == fp["length"]
-             and graph.nodes[c].eqn.params["reverse"] != fp["reverse"]]
-    if not backs:
-        return None
-    b = backs[0]
-    first_xs = b.eqn.params["num_consts"] + b.eqn.params["num_carry"]
-    reads = tuple((j, k) for j, v in enumerate(ys) for k, o in enumerate(b.operands)
-                  if o == v and k >= first_xs)
-    body = f.eqn.params["jaxpr"].jaxpr
-    made = {o: e for e in body.eqns for o in e.outvars}
-    read_once = {j for j, _ in reads if [j2 for j2, _ in reads].count(j) == 1}
-    droppable = tuple(
-        j for j, v in enumerate(ys)
-        if j in read_once and not isinstance(out := body.outvars[ncar + j], jcore.Literal)
-        and out in made and not made[out].effects
-        and consumers.get(v, ()) == (b.index,) and b.operands.count(v) == 1
-        and v not in graph.outputs)
-    return ScanPair(f.index, b.index, reads, droppable) if droppable else None
-
-
 def loop_candidates(graph: Graph, pairs: Sequence[ScanPair],
                     corner: Mapping[Any, int]) -> tuple[LoopPlan, ...]:
     """The loop plans worth scoring: the largest stacked residuals first, then all.
 
     Residuals are taken by size class at the domain's ``corner`` (the attention
     probabilities before the layer-norm statistics), each plan rebuilding every
-    class from the largest down to one more than the plan before; the last one
-    rebuilds every residual the bodies can (per-iteration ``nothing_saveable``).
+    class from the largest down to one more than the plan before; then every residual
+    but from the matmul outputs, stacked instead (per-iteration ``dots_saveable``);
+    the last one rebuilds every residual the bodies can (``nothing_saveable``).
     """
     def size(p: ScanPair, j: int) -> float:
         v = graph.nodes[p.forward].outputs[graph.nodes[p.forward].eqn.params["num_carry"] + j]
@@ -153,9 +94,25 @@ def loop_candidates(graph: Graph, pairs: Sequence[ScanPair],
     sizes = sorted({size(p, j) for p in pairs for j in p.droppable}, reverse=True)
     every = LoopPlan(tuple(p.droppable for p in pairs))
     plans = [LoopPlan(tuple(tuple(j for j in p.droppable if size(p, j) >= t) for p in pairs),
-                      f"the {k + 1} largest kind(s) of stacked residual")
+                      label=f"the {k + 1} largest kind(s) of stacked residual")
              for k, t in enumerate(sizes[:MAX_PARTIAL])]
-    return (*[p for p in plans if p.drop != every.drop], every)
+    dots = [_made_by(graph, p, "dot_general") for p in pairs]
+    saving = LoopPlan(tuple(tuple(j for j in p.droppable if j not in made)
+                            for p, (_, made) in zip(pairs, dots, strict=True)),
+                      tuple(eqns for eqns, _ in dots), "every stacked residual but matmul outputs")
+    return (*[p for p in plans if p.drop != every.drop], saving, every)
+
+
+def _made_by(graph: Graph, pair: ScanPair, primitive: str
+             ) -> tuple[tuple[int, ...], frozenset[int]]:
+    """The forward body's equations of ``primitive`` (positions), and the droppable ys
+    positions they make."""
+    eqn = graph.nodes[pair.forward].eqn
+    body = eqn.params["jaxpr"].jaxpr
+    at = tuple(i for i, e in enumerate(body.eqns) if e.primitive.name == primitive)
+    outs = {v for i in at for v in body.eqns[i].outvars}
+    ncar = eqn.params["num_carry"]
+    return at, frozenset(j for j in pair.droppable if body.outvars[ncar + j] in outs)
 
 
 def with_loop_plan(graph: Graph, plan: LoopPlan, recompute: Sequence[str] = (),
@@ -187,176 +144,13 @@ def apply_loop_plan(graph: Graph, plan: LoopPlan) -> Graph:
     builder = Builder()
     builder.values = list(graph.values)
     replaced: dict[int, Node] = {}
-    for pair, drop in zip(pairs, plan.drop, strict=True):
+    saves = plan.save or ((),) * len(pairs)
+    for pair, drop, save in zip(pairs, plan.drop, saves, strict=True):
         if drop:
-            replaced.update(_rewrite_pair(graph, pair, drop, builder))
+            replaced.update(rewrite_pair(graph, pair, drop, save, builder))
     if not replaced:
         return graph
     nodes = [dataclasses.replace(replaced.get(n.index, n), index=n.index) for n in graph.nodes]
     return Graph(tuple(builder.values), tuple(nodes), graph.inputs, graph.outputs, graph.consts)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Slice:
-    """What the backward body needs to rebuild the dropped residuals of one pair.
-
-    Attributes:
-        eqns: the forward body's equations to re-run, in order.
-        consts, xs: forward body invar positions (within their section) whose values
-            the backward scan must now receive.
-        stacked: carry positions the forward scan must newly stack.
-        held: forward body variable -> backward operand position already holding it
-            (stacked residuals still saved, a carry some residual stacks already).
-    """
-
-    eqns: tuple[Any, ...]
-    consts: tuple[int, ...]
-    xs: tuple[int, ...]
-    stacked: tuple[int, ...]
-    held: tuple[tuple[Any, int], ...]
-
-
-def _slice(f: Node, pair: ScanPair, drop: Sequence[int]) -> _Slice:
-    """The forward body's slice that rebuilds ``drop`` from what the backward scan can hold."""
-    fp = f.eqn.params
-    body = fp["jaxpr"].jaxpr
-    nc, ncar = fp["num_consts"], fp["num_carry"]
-    held = {body.outvars[ncar + j]: k for j, k in pair.reads if j not in drop
-            and not isinstance(body.outvars[ncar + j], jcore.Literal)}
-    leaves = set(body.invars) | set(body.constvars) | set(held)
-    need = {body.outvars[ncar + j] for j in drop}
-    eqns = []
-    for e in reversed(body.eqns):
-        if any(o in need for o in e.outvars):
-            eqns.append(e)
-            need.update(v for v in e.invars
-                        if not isinstance(v, jcore.Literal) and v not in leaves)
-            need.difference_update(e.outvars)
-    eqns.reverse()
-    read = {v for e in eqns for v in e.invars if not isinstance(v, jcore.Literal)}
-    pos = {v: i for i, v in enumerate(body.invars)}
-    used = sorted(pos[v] for v in read if v in pos and v not in held)
-    return _Slice(tuple(eqns), tuple(i for i in used if i < nc),
-                  tuple(i - nc - ncar for i in used if i >= nc + ncar),
-                  tuple(i - nc for i in used if nc <= i < nc + ncar),
-                  tuple((v, k) for v, k in held.items() if v in read))
-
-
-def _rewrite_pair(graph: Graph, pair: ScanPair, drop: Sequence[int],
-                  builder: Builder) -> dict[int, Node]:
-    """The two new scan nodes of ``pair`` with ``drop`` rebuilt in the backward body."""
-    f, b = graph.nodes[pair.forward], graph.nodes[pair.backward]
-    sl = _slice(f, pair, drop)
-    fp = f.eqn.params
-    nc, ncar = fp["num_consts"], fp["num_carry"]
-    fbody = fp["jaxpr"].jaxpr
-    ys_keep = [j for j in range(len(f.outputs) - ncar) if j not in drop]
-    stacked_avals = [fbody.invars[nc + c].aval for c in sl.stacked]
-    stacked_avals = [a.update(shape=(fp["length"], *a.shape)) for a in stacked_avals]
-    new_vars = [jcore.Var(a) for a in stacked_avals]
-    new_vals = [builder.new_value(a) for a in stacked_avals]
-    fwd_body = _forward_body(fp["jaxpr"], ncar, ys_keep, [nc + c for c in sl.stacked])
-    f_eqn = f.eqn.replace(outvars=[*f.eqn.outvars[:ncar],
-                                   *[f.eqn.outvars[ncar + j] for j in ys_keep], *new_vars],
-                          params=dict(fp, jaxpr=fwd_body))
-    f_node = _control_node(f, f_eqn, list(f.operands),
-                           [*f.outputs[:ncar], *[f.outputs[ncar + j] for j in ys_keep],
-                            *new_vals])
-    bp = b.eqn.params
-    bnc, bncar = bp["num_consts"], bp["num_carry"]
-    gone = {k for j, k in pair.reads if j in drop}
-    b_xs = [k for k in range(bnc + bncar, len(b.operands)) if k not in gone]
-    f_consts = list(sl.consts)
-    f_xs = [nc + ncar + i for i in sl.xs]
-    atoms = ([*b.eqn.invars[:bnc], *[f.eqn.invars[i] for i in f_consts],
-              *b.eqn.invars[bnc:bnc + bncar], *[b.eqn.invars[k] for k in b_xs],
-              *[f.eqn.invars[i] for i in f_xs], *new_vars])
-    operands = ([*b.operands[:bnc], *[f.operands[i] for i in f_consts],
-                 *b.operands[bnc:bnc + bncar], *[b.operands[k] for k in b_xs],
-                 *[f.operands[i] for i in f_xs], *new_vals])
-    params = dict(bp, jaxpr=_backward_body(f, b, sl, pair, drop, b_xs),
-                  num_consts=bnc + len(f_consts))
-    if "linear" in bp:  # older JAX marks each operand linear or not
-        lin = bp["linear"]
-        params["linear"] = (*lin[:bnc], *[False] * len(f_consts), *lin[bnc:bnc + bncar],
-                            *[lin[k] for k in b_xs], *[False] * (len(f_xs) + len(new_vals)))
-    b_eqn = b.eqn.replace(invars=atoms, params=params)
-    return {f.index: f_node, b.index: _control_node(b, b_eqn, operands, list(b.outputs))}
-
-
-def _control_node(old: Node, eqn: Any, operands: list[int | None], outputs: list[int]) -> Node:
-    """``old`` running ``eqn`` instead: its body as a sub-graph, its FLOPs re-counted."""
-    sub = build_graph(eqn.params["jaxpr"])
-    flops = sympy.expand(dim_of(eqn.params["length"]) * sympy.Add(
-        *[n.flops for n in sub.nodes]))
-    return dataclasses.replace(old, eqn=eqn, operands=tuple(operands), subgraphs=(sub,),
-                               inputs=tuple(o for o in operands if o is not None),
-                               outputs=tuple(outputs), flops=flops)
-
-
-def _spec(var: Any) -> jax.ShapeDtypeStruct:
-    a = var.aval
-    return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
-
-
-def _forward_body(closed: Any, ncar: int, ys_keep: Sequence[int],
-                  stack: Sequence[int]) -> Any:
-    """The forward body returning its carry, the ys kept, and the carries in ``stack``."""
-    run = jcore.jaxpr_as_fun(closed)
-
-    def body(*args: Any) -> list[Any]:
-        outs = run(*args)
-        return [*outs[:ncar], *[outs[ncar + j] for j in ys_keep], *[args[i] for i in stack]]
-
-    return jax.make_jaxpr(body)(*[_spec(v) for v in closed.jaxpr.invars])
-
-
-def _backward_body(f: Node, b: Node, sl: _Slice, pair: ScanPair, drop: Sequence[int],
-                   b_xs: Sequence[int]) -> Any:
-    """The backward body that first rebuilds the dropped residuals, then runs as before.
-
-    Its invars: the backward consts, the forward consts the slice reads, the backward
-    carry, the backward xs still stacked, the forward xs the slice reads, and the
-    forward carries now stacked (in that order, as :func:`_rewrite_pair` passes them).
-    """
-    fp, bp = f.eqn.params, b.eqn.params
-    fbody = fp["jaxpr"].jaxpr
-    nc, ncar = fp["num_consts"], fp["num_carry"]
-    bnc, bncar = bp["num_consts"], bp["num_carry"]
-    bbody = bp["jaxpr"].jaxpr
-    run = jcore.jaxpr_as_fun(bp["jaxpr"])
-    sections = [bnc, len(sl.consts), bncar, len(b_xs), len(sl.xs), len(sl.stacked)]
-    specs = [*[_spec(v) for v in bbody.invars[:bnc]],
-             *[_spec(fbody.invars[i]) for i in sl.consts],
-             *[_spec(v) for v in bbody.invars[bnc:bnc + bncar]],
-             *[_spec(bbody.invars[k]) for k in b_xs],
-             *[_spec(fbody.invars[nc + ncar + i]) for i in sl.xs],
-             *[_spec(fbody.invars[nc + c]) for c in sl.stacked]]
-
-    def body(*args: Any) -> list[Any]:
-        parts, start = [], 0
-        for n in sections:
-            parts.append(list(args[start:start + n]))
-            start += n
-        bconsts, fconsts, carry, xs, fxs, stacked = parts
-        at = dict(zip(b_xs, xs, strict=True))
-        env = dict(zip(fbody.constvars, fp["jaxpr"].consts, strict=True))
-        env.update(zip([fbody.invars[i] for i in sl.consts], fconsts, strict=True))
-        env.update(zip([fbody.invars[nc + ncar + i] for i in sl.xs], fxs, strict=True))
-        env.update(zip([fbody.invars[nc + c] for c in sl.stacked], stacked, strict=True))
-        env.update((v, at[k]) for v, k in sl.held)
-        # The barrier ties the rebuild's sources to this iteration's incoming carry, so
-        # XLA runs the rebuild inside the iteration, after the one before it.
-        keys = list(env)
-        vals, carry = jax.lax.optimization_barrier(([env[k] for k in keys], carry))
-        env = dict(zip(keys, vals, strict=True))
-        for e in sl.eqns:
-            outs = bind_eqn(e, [v.val if isinstance(v, jcore.Literal) else env[v]
-                                for v in e.invars])
-            env.update(zip(e.outvars, outs, strict=True))
-        for j, k in pair.reads:
-            if j in drop:
-                at[k] = env[fbody.outvars[ncar + j]]
-        return run(*bconsts, *carry, *[at[k] for k in range(bnc + bncar, len(bbody.invars))])
-
-    return jax.make_jaxpr(body)(*specs)
