@@ -13,7 +13,8 @@ process, as ratios to the per-layer checkpoint.
 Programs: ``gpt``, the plain-JAX GPT of :mod:`bench.programs` (Python loop over
 layers, no named scopes); ``gpt-scan``, the same with ``lax.scan`` over stacked
 layer parameters; ``linen``, a Flax linen decoder written here (``nn.remat`` as the
-hand policy); and ``llama``, the project's Flax NNX tiny Llama.
+hand policy), and ``linen-scan``, the same with its blocks under ``nn.scan``; and
+``llama``, the project's Flax NNX tiny Llama.
 """
 
 from __future__ import annotations
@@ -141,6 +142,52 @@ def linen_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
             "constraints": (f"b <= {b}", f"s <= {s}"), "poly": (None, "b, s")}
 
 
+def linen_scan_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
+    """A Flax linen decoder whose blocks run under ``nn.scan`` over stacked params (one
+    traced body); the hand policy is ``nn.remat`` of the scanned block."""
+    import flax.linen as nn
+    import optax
+
+    from bench.programs import optax_step
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
+            h = nn.LayerNorm()(x)
+            h = nn.SelfAttention(num_heads=max(1, d // 64), deterministic=True)(
+                h, mask=nn.make_causal_mask(jnp.ones(x.shape[:2])))
+            x = x + h
+            return x + nn.Dense(d)(nn.gelu(nn.Dense(4 * d)(nn.LayerNorm()(x)))), None
+
+    def make(policy: Any = None) -> tuple[Callable[..., Any], Any]:
+        block = Block if policy is None else nn.remat(Block, policy=policy)
+        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=layers)
+
+        class Decoder(nn.Module):
+            @nn.compact
+            def __call__(self, tokens: jax.Array) -> jax.Array:
+                x, _ = stack(name="blocks")(nn.Embed(256, d)(tokens), None)
+                return nn.Dense(256)(nn.LayerNorm()(x))
+
+        model = Decoder()
+
+        def loss_fn(ps: Any, tokens: jax.Array) -> jax.Array:
+            logits = model.apply(ps, tokens)
+            targets = jnp.roll(tokens, -1, axis=1)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+        return optax_step(loss_fn, optax.adamw(1e-3)), model
+
+    step, model = make()
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (b, s)), jnp.int32)
+    params = model.init(jax.random.key(0), tokens)
+    state = (params, optax.adamw(1e-3).init(params))
+    return {"name": f"Flax linen decoder {layers}x{d} under nn.scan", "step": step,
+            "hand": {k: make(v)[0] for k, v in POLICIES.items()}, "args": (state, tokens),
+            "constraints": (f"b <= {b}", f"s <= {s}"), "poly": (None, "b, s")}
+
+
 def llama_case(b: int, s: int) -> dict[str, Any]:
     """The project's Flax NNX tiny Llama on the built-in data."""
     from bench.workload import build_workload
@@ -228,13 +275,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small shapes (CI-sized)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--programs", default="gpt,gpt-scan,linen,llama")
+    ap.add_argument("--programs", default="gpt,gpt-scan,linen,linen-scan,llama")
     add_output_arguments(ap, "reach.json")
     a = ap.parse_args(argv)
     cases = {"gpt": lambda: gpt_case(*((2, 64, 3, 64) if a.quick else (4, 256, 4, 256))),
              "gpt-scan": lambda: gpt_scan_case(*((2, 64, 3, 64) if a.quick
                                                  else (4, 256, 4, 256))),
              "linen": lambda: linen_case(*((2, 64, 3, 64) if a.quick else (4, 256, 4, 256))),
+             "linen-scan": lambda: linen_scan_case(*((2, 64, 3, 64) if a.quick
+                                                   else (4, 256, 4, 256))),
              "llama": lambda: llama_case(*((2, 64) if a.quick else (8, 512)))}
     log = TextTable()
     rows = [measure(cases[name](), a.repeats, log) for name in a.programs.split(",")]

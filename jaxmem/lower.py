@@ -25,13 +25,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax import lax
 
-from jaxmem.graph import Graph, Node
+from jaxmem.graph import Graph, Node, bind_eqn
 from jaxmem.plan.analysis import Analysis, local_dims
 from jaxmem.rewrite import needs_rewrite, rewrite_level
 
@@ -73,7 +73,7 @@ def as_function(graph: Graph, enforce_order: bool = False) -> Callable[..., list
                 if enforce_order and node.kind in _SYNC_KINDS and token is not None:
                     *invals, _ = lax.optimization_barrier((*invals, token))
                     invals = list(invals)
-                outs = _bind(node.eqn, invals)
+                outs = bind_eqn(node.eqn, invals)
                 if enforce_order and outs and _takes_token(graph, node, token_id):
                     token, token_id = outs[0], node.outputs[0]
             for v, x in zip(node.outputs, outs, strict=True):
@@ -99,14 +99,6 @@ def _takes_token(graph: Graph, node: Node, token_id: int | None) -> bool:
         return int(graph.values[node.outputs[0]].nbytes) <= int(graph.values[token_id].nbytes)
     except TypeError:
         return False
-
-
-def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    bound = eqn.primitive.get_bind_params(eqn.params)
-    # Older JAX returns (subfuns, params); newer JAX folds subfuns into params.
-    subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
-    out = eqn.primitive.bind(*subfuns, *invals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def xla_peak_bytes(compiled: Any) -> int:

@@ -2,7 +2,8 @@
 
 The plan set is derived once on the symbolic trace; a call at concrete dims
 traces the function again at those shapes (so XLA compiles exact shapes), finds
-the same residual groups by name, rewrites the graph with the level's
+the same residual groups by name (a loop level first rewrites the same scan pairs,
+:mod:`jaxmem.plan.loops`), rewrites the graph with the level's
 recomputation and offload (:func:`jaxmem.plan.remat.apply_remat`, the transform
 the planner scored), and, where the scheduler gave one, renumbers the nodes into
 its op order. Under ``microbatches > 1`` the trace runs inside
@@ -30,6 +31,7 @@ import jax
 from jaxmem.grad import microbatching
 from jaxmem.graph import Graph, JaxmemWarning, build_graph
 from jaxmem.plan.analysis import Analysis, as_struct
+from jaxmem.plan.loops import with_loop_plan
 from jaxmem.plan.remat import apply_remat
 from jaxmem.plan.residuals import Residual, find_residuals
 from jaxmem.plan.segments import SegmentPlan, batch_inputs, find_segments, segment_residuals
@@ -56,7 +58,7 @@ def needs_rewrite(analysis: Analysis, k: int, apply_order: bool = True,
     """False when level ``k`` is the user's own function (nothing to recompute or reorder)."""
     level = analysis.plans.levels[k]
     order = analysis.orders[k] if apply_order else None
-    return bool(level.recompute or level.offload or microbatches > 1
+    return bool(level.recompute or level.offload or level.loops is not None or microbatches > 1
                 or (order is not None and order != list(range(len(order)))))
 
 
@@ -85,10 +87,12 @@ def rewrite_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tup
                                            return_shape=True)(
             *jax.tree_util.tree_unflatten(tree, avals))
     graph = build_graph(closed)
-    residuals = find_residuals(graph)
-    if level.segments is not None:
-        rewritten = _apply_segments(analysis, level.segments, graph, residuals)
+    if level.loops is not None:
+        rewritten = with_loop_plan(graph, level.loops, level.recompute, level.offload)[0]
+    elif level.segments is not None:
+        rewritten = _apply_segments(analysis, level.segments, graph, find_residuals(graph))
     else:
+        residuals = find_residuals(graph)
         recompute, offload = set(level.recompute), set(level.offload)
         rewritten = apply_remat(graph, [r for r in residuals if r.group in recompute],
                                 [r for r in residuals if r.group in offload], residuals)

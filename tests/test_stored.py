@@ -98,3 +98,13 @@ def test_damaged_data_raises_stale_entry_errors(damage: str) -> None:
         data["exprs"][0] = ["app", "print", []]
     with pytest.raises(StaleEntryError):
         decode_plans(data, a.graph, a.domain)
+
+
+def test_loop_levels_round_trip_on_a_scanned_decoder() -> None:
+    from test_loops import ADAMW, CONSTRAINTS, POLY, _args, scan_step
+
+    a = analyze_specs(scan_step(), (), _args(ADAMW), (), POLY, CONSTRAINTS, None, (), True)
+    assert any(level.loops is not None for level in a.plans.levels)
+    data = json.loads(json.dumps(encode_plans(a.plans, a.orders, a.graph)))
+    graph, domain = _fresh(a)
+    assert decode_plans(data, graph, domain) == (a.plans, a.orders)

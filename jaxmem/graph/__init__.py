@@ -29,9 +29,10 @@ from __future__ import annotations
 # Imported for its side effect: the sub-jaxpr rules register themselves, so every
 # import path into the package builds graphs with them.
 from jaxmem.graph import rules  # noqa: F401
-from jaxmem.graph.build import Rule, build_graph, register_rule
+from jaxmem.graph.build import Builder, Rule, bind_eqn, build_graph, register_rule
 from jaxmem.graph.primitives import CALLBACK, ELEMENTWISE, EXPENSIVE, INPLACE, OPAQUE, REDUCE, VIEW
 from jaxmem.graph.types import Graph, JaxmemWarning, Node, Value
 
 __all__ = ["CALLBACK", "ELEMENTWISE", "EXPENSIVE", "INPLACE", "OPAQUE", "REDUCE", "VIEW",
-           "Graph", "JaxmemWarning", "Node", "Rule", "Value", "build_graph", "register_rule"]
+           "Builder", "Graph", "JaxmemWarning", "Node", "Rule", "Value", "bind_eqn", "build_graph",
+           "register_rule"]

@@ -102,6 +102,15 @@ def _itemsize(dtype: Any) -> int:
         return int(getattr(dtype, "itemsize", 8) or 8)
 
 
+def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """Binds ``eqn``'s primitive with its parameters on ``invals``; its results as a list."""
+    bound = eqn.primitive.get_bind_params(eqn.params)
+    # Older JAX returns (subfuns, params); newer JAX folds subfuns into params.
+    subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+    out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
 def read_operand(env: dict[Any, int], atom: Any) -> int | None:
     """The value id bound to a jaxpr variable, or None for a literal."""
     if isinstance(atom, jcore.Literal):

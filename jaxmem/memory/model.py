@@ -41,7 +41,7 @@ import sympy
 from jaxmem.graph import Graph
 from jaxmem.memory.liveness import Buffer, liveness
 from jaxmem.memory.reuse import reuse_peak
-from jaxmem.symbolic import Cmp, ShapeDomain, compare
+from jaxmem.symbolic import Cmp, ShapeDomain, compare, sym
 
 POINTER_BYTES = 8  # one entry of a tuple's table of buffer pointers (64-bit hosts)
 
@@ -110,10 +110,35 @@ def _dominates(a: LinExpr, b: LinExpr) -> bool:
         c >= 0 or m in b for m, c in a.items())
 
 
-def _inner_temp(graph: Graph, dom: ShapeDomain, symbolic: bool) -> sympy.Expr:
-    """Temporary bytes a control-flow body needs while it runs."""
-    m = memory_model(graph, dom, symbolic=symbolic)
-    return m.temp_bytes
+@dataclasses.dataclass(frozen=True)
+class _Body:
+    """What a control-flow op's body needs while it runs, at the op's order position.
+
+    Attributes:
+        temp: its most temporary bytes live at once.
+        buffers: for a loop, the sizes of the buffers live at its largest point (at the
+            domain's corner); each may sit in an output not written yet, as any
+            temporary of the enclosing program may. Empty for ``cond``: ``temp`` then
+            counts whole.
+    """
+
+    temp: sympy.Expr
+    buffers: tuple[sympy.Expr, ...] = ()
+
+
+def _inner(graph: Graph, dom: ShapeDomain, symbolic: bool) -> MemoryModel:
+    """A body's memory. Its outputs are the loop's state, allocated outside and live
+    throughout, so no temporary of the body can sit in them."""
+    return memory_model(graph, dom, symbolic=symbolic, reuse_outputs=False)
+
+
+def _largest_point(m: MemoryModel, dom: ShapeDomain) -> tuple[sympy.Expr, ...]:
+    """Sizes of the temporaries live at ``m``'s largest point at the domain's corner."""
+    corner = {sym(k): v for k, v in dom.corner().items()}
+    p = max(m.candidates, key=lambda q: float(m.timeline[q].subs(corner)), default=None)
+    if p is None:
+        return ()
+    return tuple(b.nbytes for b in m.buffers if b.kind == "temp" and b.start <= p <= b.end)
 
 
 def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = None,
@@ -139,7 +164,8 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
     buffers = liveness(graph, order)
     n = len(order)
     tally: collections.Counter[str] = collections.Counter()
-    extra = _subgraph_temps(graph, order, dom, symbolic)
+    bodies = _bodies(graph, order, dom, symbolic)
+    extra = {p: body.temp for p, body in bodies.items()}
     points = _live_points(buffers, extra, n)
     candidates = _frontier(points, dom, tally, symbolic)
     temp = _max([_to_expr(points[p]) for p in candidates])
@@ -149,7 +175,9 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
         temps = [(b.nbytes, b.start, b.end) for b in buffers if b.kind == "temp"]
         outs_free = [(b.nbytes, b.start) for b in buffers
                      if b.kind == "output" and b.value not in aliased and b.start >= 0]
-        temp, candidates = reuse_peak(temps, outs_free, extra, n, dom, tally, symbolic)
+        temps += [(e, p, p) for p, body in bodies.items() for e in body.buffers]
+        whole = {p: body.temp for p, body in bodies.items() if not body.buffers}
+        temp, candidates = reuse_peak(temps, outs_free, whole, n, dom, tally, symbolic)
     args = sympy.Add(*[b.nbytes for b in buffers if b.kind == "argument"])
     outs = sympy.Add(*[b.nbytes for b in buffers if b.kind == "output"])
     if len(graph.outputs) > 1:
@@ -162,19 +190,46 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
                        tuple(sorted(tally.items())), upper, reuse_outputs)
 
 
-def _subgraph_temps(graph: Graph, order: Sequence[int], dom: ShapeDomain,
-                    symbolic: bool) -> dict[int, sympy.Expr]:
-    """Temporary bytes of the control-flow bodies, at the order position of their op.
+def _bodies(graph: Graph, order: Sequence[int], dom: ShapeDomain,
+            symbolic: bool) -> dict[int, _Body]:
+    """What each control-flow op's bodies need, at the order position of the op.
 
-    An op with several bodies (``cond`` branches) needs the largest (a ``Max``).
+    An op with several bodies (``cond`` branches) needs the largest (a ``Max``). A
+    ``scan`` body also holds the slices of its ``xs`` that XLA materialises.
     """
-    extra: dict[int, sympy.Expr] = {}
+    out: dict[int, _Body] = {}
     for p, ni in enumerate(order):
         node = graph.nodes[ni]
-        if node.subgraphs:
-            inner = [_inner_temp(g, dom, symbolic) for g in node.subgraphs]
-            extra[p] = sympy.Max(*inner) if len(inner) > 1 else inner[0]
-    return extra
+        if not node.subgraphs:
+            continue
+        models = [_inner(g, dom, symbolic) for g in node.subgraphs]
+        if len(models) > 1 and node.primitive == "cond":
+            out[p] = _Body(sympy.Max(*[m.temp_bytes for m in models]))
+            continue
+        sliced = (_sliced_xs(node.subgraphs[0], node.eqn.params)
+                  if node.primitive == "scan" and node.eqn is not None else sympy.Integer(0))
+        temp = sympy.Max(*[m.temp_bytes for m in models]) + sliced
+        buffers = list(_largest_point(models[-1], dom))  # a while's body, not its cond
+        out[p] = _Body(temp, (*buffers, sliced) if buffers or sliced != 0 else ())
+    return out
+
+
+def _sliced_xs(body: Graph, params: dict) -> sympy.Expr:
+    """Bytes of the per-iteration ``xs`` slices a scan body reads in memory.
+
+    XLA's CPU backend fuses a slice of a stacked operand into elementwise and
+    reducing consumers, but copies it out (a dynamic-slice fusion) for one that
+    reads its operands from memory, such as a dot (gpt-scan 3x64 at (2, 64):
+    -9 % against XLA without these copies, -2 % with them).
+    """
+    first = params["num_consts"] + params["num_carry"]
+    consumers = body.consumers
+    total = sympy.Integer(0)
+    for v in body.inputs[first:]:
+        if any(body.nodes[c].kind not in ("elementwise", "reduce", "view")
+               for c in consumers.get(v, ())):
+            total += body.values[v].nbytes
+    return total
 
 
 def _live_points(buffers: Sequence[Buffer], extra: dict[int, sympy.Expr], n: int

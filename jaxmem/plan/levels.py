@@ -28,20 +28,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import sympy
 
-from jaxmem.fastexpr import compile_expr
 from jaxmem.graph import Graph
 from jaxmem.memory import MemoryModel, memory_model
+from jaxmem.plan.level import Level
+from jaxmem.plan.loops import loop_candidates, with_loop_plan
 from jaxmem.plan.offload import Costs, costs_for
 from jaxmem.plan.remat import apply_remat, offload_chains, recompute_chains
 from jaxmem.plan.residuals import Residual, find_residuals
+from jaxmem.plan.scan_pairs import find_scan_pairs
 from jaxmem.plan.segments import (
-    SegmentPlan,
     find_segments,
     segment_candidates,
     segment_residuals,
@@ -49,55 +48,6 @@ from jaxmem.plan.segments import (
 from jaxmem.plan.select import select_level
 from jaxmem.symbolic import ShapeDomain, lowers_somewhere, sym
 from jaxmem.units import human_bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class Level:
-    """One plan: the residual groups it recomputes and its symbolic memory.
-
-    Attributes:
-        recompute: names of the recomputed residual groups (cumulative).
-        residuals: the recomputed residuals.
-        graph: the rewritten graph.
-        memory: its memory model; ``memory.peak_bytes`` is the guard's left side.
-        recompute_flops: symbolic extra work.
-        offload: names of the residual groups moved to host memory (cumulative).
-        offloaded: the offloaded residuals.
-        segments: for a segment level, the rule that picks its residuals on any trace
-            of the step (:mod:`jaxmem.plan.segments`); None for a level of groups.
-    """
-
-    recompute: tuple[str, ...]
-    residuals: tuple[Residual, ...]
-    graph: Graph = dataclasses.field(repr=False)
-    memory: MemoryModel = dataclasses.field(repr=False)
-    recompute_flops: sympy.Expr = sympy.Integer(0)
-    offload: tuple[str, ...] = ()
-    offloaded: tuple[Residual, ...] = ()
-    segments: SegmentPlan | None = None
-
-    @property
-    def offload_bytes(self) -> sympy.Expr:
-        """Symbolic bytes each step moves to the host (and back)."""
-        return sympy.Add(*[r.nbytes for r in self.offloaded])
-
-    @functools.cached_property
-    def peak_fn(self) -> Callable[..., Any]:
-        """The peak as a fast numeric function of the dims (a name -> value mapping)."""
-        return _numeric(self.memory.peak_bytes)
-
-    @functools.cached_property
-    def flops_fn(self) -> Callable[..., Any]:
-        """FLOPs of one step at this level (recomputation included), as a function of the
-        dims: what a step's time is predicted from."""
-        return _numeric(sympy.expand(sympy.Add(*[n.flops for n in self.graph.nodes])))
-
-
-def _numeric(expr: sympy.Expr) -> Callable[[Mapping[str, int]], int]:
-    free = sorted(expr.free_symbols, key=str)
-    fn = compile_expr(free, expr)
-    names = [str(s) for s in free]
-    return lambda dims: int(fn(*[dims[n] for n in names]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,10 +96,15 @@ class PlanSet:
         for k, level in enumerate(self.levels):
             added = ([f"recompute {g}" for g in level.recompute if g not in seen_r]
                      + [f"offload {g}" for g in level.offload if g not in seen_o])
+            if level.loops is not None:  # loop levels do not extend the level before them
+                groups = len(level.recompute) + len(level.offload) - 1
+                added = [level.loops.name] + ([f"and the {groups} group(s) of the greedy "
+                                               "chain's last level"] if groups else [])
             seen_r, seen_o = level.recompute, level.offload
             shown = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3
                                             else "")
-            what = "save every residual" if k == 0 else "+ " + shown
+            what = ("save every residual" if k == 0 else
+                    shown if level.loops is not None else "+ " + shown)
             expr = str(level.memory.peak_bytes)
             expr = expr if len(expr) <= 120 else expr[:117] + "..."
             lines.append(f"  level {k}: {what}")
@@ -220,6 +175,11 @@ def _efficiency(graph: Graph, chosen: list[Residual], group: list[Residual],
 
 _MIN_GROUP_FRACTION = 0.01  # of the unplanned peak at the domain's largest corner
 
+#: A loop plan that rebuilds more must lower the peak by this share somewhere: plans
+#: rebuilding the last, small residuals would otherwise each cost a level (and a
+#: compile while selecting) for a fraction of a per cent.
+LOOP_MARGIN = 0.01
+
 
 def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
                 donated: tuple[int, ...] = (), max_levels: int = 16, offload: bool = False,
@@ -255,7 +215,9 @@ def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
         if picked is not None:
             search.accept(*picked)
     search.order.extend(sorted(remaining))
+    greedy = search.levels[-1]
     search.add_segment_levels()
+    search.add_loop_levels(greedy)
     for k, v in base.comparisons:
         search.tally[k] += v
     return PlanSet(dom, tuple((n, tuple(groups[n])) for n in search.order), tuple(search.levels),
@@ -355,6 +317,12 @@ class _Greedy:
             names = tuple(dict.fromkeys(r.group for r, _ in chains))
             candidates.append(Level(names, tuple(r for r, _ in chains), g2, m, flops,
                                     segments=plan))
+        self.keep_lowering(candidates)
+
+    def keep_lowering(self, candidates: list[Level], margin: float = 0.0) -> None:
+        """Appends, cheapest first, each candidate whose peak at some sampled shape is below
+        every level's so far by more than ``margin`` of it (and that re-runs more than the
+        greedy chain's last level)."""
         greedy_flops = float(self.levels[-1].recompute_flops.subs(self.corner))
         points = self.dom.sample_points()
         self.tally["fallback"] += len(candidates)
@@ -362,5 +330,24 @@ class _Greedy:
                 self.corner))):
             if float(level.recompute_flops.subs(self.corner)) < greedy_flops:
                 continue  # the greedy chain already holds the cheaper plans
-            if any(level.peak_fn(p) < min(lv.peak_fn(p) for lv in self.levels) for p in points):
+            if any(level.peak_fn(p) < (1 - margin) * min(lv.peak_fn(p) for lv in self.levels)
+                   for p in points):
                 self.levels.append(level)
+
+    def add_loop_levels(self, base: Level) -> None:
+        """Appends the loop plans (:mod:`jaxmem.plan.loops`) that lower the peak somewhere,
+        each alone and on top of ``base``'s groups (the greedy chain's smallest level)."""
+        pairs = find_scan_pairs(self.graph)
+        if not pairs:
+            return
+        bases = list(dict.fromkeys([((), ()), (base.recompute, base.offload)]))
+        candidates = []
+        for plan in loop_candidates(self.graph, pairs, self.corner):
+            for recompute, offload in bases:
+                g2, chosen, moved = with_loop_plan(self.graph, plan, recompute, offload)
+                m = memory_model(g2, self.dom, donated=self.donated, symbolic=self.symbolic)
+                flops = sympy.expand(sympy.Add(*[n.flops for n in g2.nodes])
+                                     - sympy.Add(*[n.flops for n in self.graph.nodes]))
+                candidates.append(Level((*recompute, plan.name), chosen, g2, m, flops,
+                                        offload, moved, loops=plan))
+        self.keep_lowering(candidates, LOOP_MARGIN)

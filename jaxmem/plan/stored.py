@@ -36,8 +36,10 @@ from jaxmem.graph import Graph
 from jaxmem.memory import Buffer, MemoryModel
 from jaxmem.plan.analysis import Orders
 from jaxmem.plan.levels import Level, PlanSet
+from jaxmem.plan.loops import LoopPlan, with_loop_plan
 from jaxmem.plan.remat import apply_remat
 from jaxmem.plan.residuals import Residual, find_residuals
+from jaxmem.plan.scan_pairs import find_scan_pairs
 from jaxmem.plan.segments import SegmentPlan, find_segments, segment_residuals
 from jaxmem.schedulers import validate_order
 from jaxmem.symbolic import ShapeDomain
@@ -81,6 +83,9 @@ def _encode_level(level: Level, t: ExprTable) -> dict[str, Any]:
         "flops": t.add(level.recompute_flops), "graph": _size(level.graph),
         "segments": None if seg is None else [seg.count, sorted(seg.save), list(seg.kept),
                                               seg.n_cuts],
+        "loops": None if level.loops is None else [
+            [list(d) for d in level.loops.drop], [list(x) for x in level.loops.save],
+            level.loops.label],
         "memory": {
             "buffers": [[b.value, t.add(b.nbytes), b.start, b.end, b.kind, b.note]
                         for b in m.buffers],
@@ -140,6 +145,8 @@ def _decode(data: dict[str, Any], graph: Graph, domain: ShapeDomain) -> tuple[Pl
 def _decode_level(d: dict[str, Any], graph: Graph, residuals: tuple[Residual, ...],
                   pick: Callable[[Sequence[Sequence[int]]], tuple[Residual, ...]],
                   exprs: list[sympy.Basic]) -> Level:
+    if d.get("loops") is not None:  # residual ids are the loop-rewritten graph's
+        return _decode_loop_level(d, graph, exprs)
     chosen, moved = pick(d["residuals"]), pick(d["offloaded"])
     seg = d["segments"]
     segments = None if seg is None else SegmentPlan(int(seg[0]), frozenset(seg[1]),
@@ -155,6 +162,21 @@ def _decode_level(d: dict[str, Any], graph: Graph, residuals: tuple[Residual, ..
                               f"says {d['graph']}")
     return Level(tuple(d["recompute"]), chosen, g2, _decode_memory(d["memory"], exprs),
                  exprs[d["flops"]], tuple(d["offload"]), moved, segments)
+
+
+def _decode_loop_level(d: dict[str, Any], graph: Graph, exprs: list[sympy.Basic]) -> Level:
+    drop, save, label = d["loops"]
+    plan = LoopPlan(tuple(tuple(int(i) for i in x) for x in drop),
+                    tuple(tuple(int(i) for i in x) for x in save), str(label))
+    if not plan.fits(find_scan_pairs(graph)):
+        raise StaleEntryError("entry's loop plan does not fit this trace's scan loops")
+    recompute = tuple(d["recompute"])
+    g2, chosen, moved = with_loop_plan(graph, plan, recompute[:-1], tuple(d["offload"]))
+    if _size(g2) != d["graph"]:
+        raise StaleEntryError(f"loop level rebuilt with {_size(g2)} nodes/values, the entry "
+                              f"says {d['graph']}")
+    return Level(recompute, chosen, g2, _decode_memory(d["memory"], exprs), exprs[d["flops"]],
+                 tuple(d["offload"]), moved, loops=plan)
 
 
 def _decode_memory(d: dict[str, Any], exprs: list[sympy.Basic]) -> MemoryModel:

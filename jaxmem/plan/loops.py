@@ -1,0 +1,156 @@
+"""Recomputation inside loop bodies: the forward ``scan`` stops stacking what the backward
+``scan`` can rebuild.
+
+Differentiating ``lax.scan`` gives two loops in the step's jaxpr: the forward scan
+(under ``jvp(...)``) stacks, per iteration, every residual its body makes (its
+``ys``), and the backward scan (under ``transpose(...)``, reversed) reads them back
+as its ``xs`` (:mod:`jaxmem.plan.scan_pairs` finds such pairs and rewrites their
+bodies). A :class:`LoopPlan` says which stacked residuals leave the forward scan:
+the backward body re-runs the slice of the forward body that rebuilds them from that
+iteration's carry (the layer input, which the forward scan now stacks unless a kept
+residual holds it), ``xs`` and the loop's constants, plus the residuals still
+stacked and, for a plan that saves them, the body's matmul outputs. That is
+per-iteration ``jax.checkpoint`` (``nothing_saveable``, or ``dots_saveable``),
+planned on the one trace of the step rather than written into the model. A body
+the user already checkpointed stacks little, and what it still stacks is rebuilt
+the same way.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem.graph import build_graph
+    >>> def loss(ws, x):
+    ...     body = lambda h, w: (jnp.tanh(h @ w), None)
+    ...     return (jax.lax.scan(body, x, ws)[0] ** 2).sum()
+    >>> g = build_graph(jax.make_jaxpr(jax.grad(loss))(jnp.ones((3, 8, 8)), jnp.ones((2, 8))))
+    >>> plans = loop_candidates(g, find_scan_pairs(g), {})
+    >>> [p.label for p in plans]
+    ['every stacked residual but matmul outputs', 'every stacked residual']
+    >>> scan = lambda g: [n for n in g.nodes if n.primitive == "scan"][0]
+    >>> len(scan(apply_loop_plan(g, plans[-1])).outputs) < len(scan(g).outputs)
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jaxmem.graph import Builder, Graph, JaxmemWarning, Node
+from jaxmem.plan.remat import apply_remat
+from jaxmem.plan.residuals import Residual, find_residuals
+from jaxmem.plan.scan_pairs import ScanPair, find_scan_pairs, rewrite_pair
+
+#: Plans that rebuild only the largest stacked residuals: at most this many, one per
+#: size class from the largest down, before the plan that rebuilds them all.
+MAX_PARTIAL = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPlan:
+    """Which stacked residuals of each forward/backward scan pair to rebuild.
+
+    Positions, not values, so that the plan chosen on the symbolic trace applies to
+    every concrete trace of the same step (which has the same pairs).
+
+    Attributes:
+        drop: per pair of :func:`~jaxmem.plan.scan_pairs.find_scan_pairs`, the forward
+            ys positions rebuilt.
+        save: per pair, the positions of forward body equations whose outputs the
+            rebuild may read, stacked instead (matmul outputs, as ``dots_saveable``);
+            empty: the rebuild starts from the layer input.
+        label: what the plan rebuilds, for people.
+    """
+
+    drop: tuple[tuple[int, ...], ...]
+    save: tuple[tuple[int, ...], ...] = ()
+    label: str = "every stacked residual"
+
+    @property
+    def name(self) -> str:
+        return f"scan bodies: rebuild {self.label} in the backward loop"
+
+    def fits(self, pairs: Sequence[ScanPair]) -> bool:
+        """Whether this plan's positions exist in ``pairs`` (another trace's pairs)."""
+        return len(pairs) == len(self.drop) and all(
+            set(d) <= set(p.droppable) for p, d in zip(pairs, self.drop, strict=True))
+
+
+def loop_candidates(graph: Graph, pairs: Sequence[ScanPair],
+                    corner: Mapping[Any, int]) -> tuple[LoopPlan, ...]:
+    """The loop plans worth scoring: the largest stacked residuals first, then all.
+
+    Residuals are taken by size class at the domain's ``corner`` (the attention
+    probabilities before the layer-norm statistics), each plan rebuilding every
+    class from the largest down to one more than the plan before; then every residual
+    but from the matmul outputs, stacked instead (per-iteration ``dots_saveable``);
+    the last one rebuilds every residual the bodies can (``nothing_saveable``).
+    """
+    def size(p: ScanPair, j: int) -> float:
+        v = graph.nodes[p.forward].outputs[graph.nodes[p.forward].eqn.params["num_carry"] + j]
+        return float(graph.values[v].nbytes.subs(corner))
+
+    sizes = sorted({size(p, j) for p in pairs for j in p.droppable}, reverse=True)
+    every = LoopPlan(tuple(p.droppable for p in pairs))
+    plans = [LoopPlan(tuple(tuple(j for j in p.droppable if size(p, j) >= t) for p in pairs),
+                      label=f"the {k + 1} largest kind(s) of stacked residual")
+             for k, t in enumerate(sizes[:MAX_PARTIAL])]
+    dots = [_made_by(graph, p, "dot_general") for p in pairs]
+    saving = LoopPlan(tuple(tuple(j for j in p.droppable if j not in made)
+                            for p, (_, made) in zip(pairs, dots, strict=True)),
+                      tuple(eqns for eqns, _ in dots), "every stacked residual but matmul outputs")
+    return (*[p for p in plans if p.drop != every.drop], saving, every)
+
+
+def _made_by(graph: Graph, pair: ScanPair, primitive: str
+             ) -> tuple[tuple[int, ...], frozenset[int]]:
+    """The forward body's equations of ``primitive`` (positions), and the droppable ys
+    positions they make."""
+    eqn = graph.nodes[pair.forward].eqn
+    body = eqn.params["jaxpr"].jaxpr
+    at = tuple(i for i, e in enumerate(body.eqns) if e.primitive.name == primitive)
+    outs = {v for i in at for v in body.eqns[i].outvars}
+    ncar = eqn.params["num_carry"]
+    return at, frozenset(j for j in pair.droppable if body.outvars[ncar + j] in outs)
+
+
+def with_loop_plan(graph: Graph, plan: LoopPlan, recompute: Sequence[str] = (),
+                   offload: Sequence[str] = ()
+                   ) -> tuple[Graph, tuple[Residual, ...], tuple[Residual, ...]]:
+    """``plan`` applied to ``graph``, then the residual groups named in ``recompute`` and
+    ``offload`` (:func:`~jaxmem.plan.remat.apply_remat`); the graph, and the residuals
+    recomputed and offloaded. The planner scores, and the rewrite runs, exactly this."""
+    g = apply_loop_plan(graph, plan)
+    residuals = find_residuals(g)
+    chosen = tuple(r for r in residuals if r.group in set(recompute))
+    moved = tuple(r for r in residuals if r.group in set(offload))
+    return apply_remat(g, chosen, moved, residuals), chosen, moved
+
+
+def apply_loop_plan(graph: Graph, plan: LoopPlan) -> Graph:
+    """``graph`` with every scan pair rewritten by ``plan`` (``graph`` itself if none is).
+
+    Original values keep their ids (a dropped residual is simply made by no node);
+    the carries the forward scan now stacks are new values appended after them. A
+    plan whose positions this graph's pairs lack (a trace unlike the one it was
+    planned on) leaves the graph as it is, with a warning.
+    """
+    pairs = find_scan_pairs(graph)
+    if not plan.fits(pairs):
+        warnings.warn(f"jaxmem: this trace's scan loops differ from those {plan.name!r} was "
+                      "planned on; it is not applied at this shape", JaxmemWarning, stacklevel=3)
+        return graph
+    builder = Builder()
+    builder.values = list(graph.values)
+    replaced: dict[int, Node] = {}
+    saves = plan.save or ((),) * len(pairs)
+    for pair, drop, save in zip(pairs, plan.drop, saves, strict=True):
+        if drop:
+            replaced.update(rewrite_pair(graph, pair, drop, save, builder))
+    if not replaced:
+        return graph
+    nodes = [dataclasses.replace(replaced.get(n.index, n), index=n.index) for n in graph.nodes]
+    return Graph(tuple(builder.values), tuple(nodes), graph.inputs, graph.outputs, graph.consts)
+
+
