@@ -5,16 +5,22 @@ Usage::
     python -m bench.compare [--quick] [--model tiny|small|1b] [--budget 512MiB] \
         --out results.json [--results-dir DIR]
 
-Workload: the project's Llama train step (:mod:`bench.workload`). Shapes: a grid
-of ``(b, s)`` whose lengths are quantiles of the per-batch longest length that the
-training loop's length-grouped batcher produces on the built-in data. Budget:
-``--budget``, else ``--budget-fraction`` of plain XLA's peak at the largest shape
-(printed). Every method is measured at every shape (:mod:`bench.methods`); then the
-epoch figure (:mod:`bench.compare_epoch`), symbolic-vs-fallback coverage, the must-show
-checks, a Markdown table (``compare.md``) and figures under ``--results-dir``
-(default: the directory of ``--out``; :mod:`bench.outputs`).
+Workloads (``--workloads``, :mod:`bench.suite`): the project's Llama train step
+(:mod:`bench.workload`), a plain-JAX decoder with a Python loop over layers and no
+named scopes, and its ``lax.scan`` twin (:mod:`bench.decoders`). Shapes: per workload a
+grid of ``(b, s)`` whose lengths are quantiles of the per-batch longest length that the
+training loop's length-grouped batcher produces on the built-in data. Budget, per
+workload: ``--budget`` (the Llama only), else ``--budget-fraction`` of plain XLA's peak
+at its largest shape (printed). Every method is measured at every shape
+(:mod:`bench.methods`), then the oracle (:mod:`bench.oracle`: every jaxmem level and
+uniform policy compiled, the fastest that fits); then the epoch figure
+(:mod:`bench.compare_epoch`), symbolic-vs-fallback coverage, the must-show checks, a
+Markdown table (``compare.md``) and figures under ``--results-dir`` (default: the
+directory of ``--out``; :mod:`bench.outputs`). Every time ratio comes with its min /
+median / max over the paired repeats, all in one process.
 
-Writes docs/design.md §2's JSON to ``--out``: ``{"budget_bytes", "rows", "epoch", ...}``.
+Writes docs/design.md §2's JSON to ``--out``: ``{"budget_bytes", "rows", "epoch",
+"budgets", "workloads", "summary", ...}``.
 """
 
 from __future__ import annotations

@@ -64,7 +64,9 @@ def time_round(calls: Sequence[Callable[[], Any]], repeats: int, warmup: int = 1
     """Wall seconds of each call (blocked until ready), the calls taking turns.
 
     Each of ``repeats`` rounds runs every call once, so a load change hits all of them
-    alike and ``times[i][r] / times[j][r]`` is a paired ratio.
+    alike and ``times[i][r] / times[j][r]`` is a paired ratio. Round ``r`` starts at call
+    ``r % len(calls)`` (for two calls: AB, BA, AB...): on a loaded CPU the call that
+    opens a round measurably runs slower, so no call may always be first.
 
     Returns:
         ``times[i]``: the per-round seconds of ``calls[i]``.
@@ -73,11 +75,12 @@ def time_round(calls: Sequence[Callable[[], Any]], repeats: int, warmup: int = 1
         for call in calls:
             jax.block_until_ready(call())
     times: list[list[float]] = [[] for _ in calls]
-    for _ in range(max(1, repeats)):
-        for call, acc in zip(calls, times, strict=True):
+    n = len(calls)
+    for r in range(max(1, repeats)):
+        for i in (*range(r % n, n), *range(r % n)):
             t0 = time.perf_counter()
-            jax.block_until_ready(call())
-            acc.append(time.perf_counter() - t0)
+            jax.block_until_ready(calls[i]())
+            times[i].append(time.perf_counter() - t0)
     return times
 
 

@@ -6,8 +6,9 @@ per-layer ``nothing_saveable`` (``xla+full_remat``) and ``dots_saveable``
 (``xla+dots``). Each is compiled; those whose ``jaxmem.xla_peak_bytes`` fits the
 budget are timed, the ones the grid already timed (plain XLA, the two policies,
 jaxmem's own level) reuse its timings. Times are per-repeat ratios to plain XLA
-at the same shape, taken in alternating rounds with it, so ratios of any two
-candidates are paired through that baseline; the oracle picks the lowest median.
+at the same shape, each candidate alternating with it as the grid's rows do
+(:func:`bench.methods.time_round`), so ratios of any two candidates are paired
+through that baseline; the oracle picks the lowest median.
 
 ``jaxmem_over_oracle``: jaxmem's per-repeat ratio over the oracle's, with its
 min / median / max (exactly 1 where the oracle chose jaxmem's own executable).
@@ -106,20 +107,21 @@ def candidates(m: Methods, rows: dict[str, dict[str, Any]], b: int, s: int
 
 def time_fitting(cands: Sequence[Candidate], base: Callable[[], Any], budget: int | None,
                  repeats: int) -> list[Candidate]:
-    """Times the fitting candidates not timed yet, in rounds with ``base`` (plain XLA);
-    one whose program another candidate already has reuses that one's timings."""
+    """Times the fitting candidates not timed yet, each alternating with ``base`` (plain
+    XLA) exactly as the grid's rows are timed, so reused and new ratios compare; one
+    whose program another candidate already has reuses that one's timings."""
     fits = [budget is None or c.peak_bytes <= budget for c in cands]
     by_print = {c.fingerprint: c for c in cands if c.times}
     todo = [i for i, c in enumerate(cands)
             if fits[i] and not c.times and c.fingerprint not in by_print]
     out = list(cands)
-    if todo:
-        times = time_round([base] + [cands[i].call for i in todo], repeats)
-        for i, ts in zip(todo, times[1:], strict=True):
-            ratios = tuple(t / x for t, x in zip(ts, times[0], strict=True))
-            out[i] = dataclasses.replace(cands[i], times=tuple(ts), ratios=ratios,
-                                         timed="oracle")
-            by_print.setdefault(cands[i].fingerprint, out[i])
+    for i in todo:
+        if cands[i].fingerprint in by_print:
+            continue
+        ts, xs = time_round([cands[i].call, base], repeats)  # as bench.methods.measure does
+        ratios = tuple(t / x for t, x in zip(ts, xs, strict=True))
+        out[i] = dataclasses.replace(cands[i], times=tuple(ts), ratios=ratios, timed="oracle")
+        by_print[cands[i].fingerprint] = out[i]
     for i, c in enumerate(out):
         if fits[i] and not c.times and c.fingerprint in by_print:
             same = by_print[c.fingerprint]
@@ -189,7 +191,18 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                         "jaxmem_level": None if j is None else j["level"],
                         "jaxmem_fits_budget": None if j is None else j["fits_budget"],
                         "ratio": r["jaxmem_over_oracle"]})
-    return {"jaxmem_over_oracle": entries,
+    by: dict[str, dict[str, Any]] = {}
+    for e in entries:
+        d = by.setdefault(e["workload"], {"shapes": 0, "jaxmem_fits": 0, "medians": []})
+        d["shapes"] += 1
+        d["jaxmem_fits"] += bool(e["jaxmem_fits_budget"])
+        if e["ratio"]:
+            d["medians"].append(e["ratio"]["median"])
+    by_workload = {w: {"shapes": d["shapes"], "jaxmem_fits": d["jaxmem_fits"],
+                       "best_median": min(d["medians"], default=None),
+                       "worst_median": max(d["medians"], default=None)}
+                   for w, d in by.items()}
+    return {"jaxmem_over_oracle": entries, "by_workload": by_workload,
             "note": "ratio: jaxmem's step time over the oracle's, per paired repeat (both "
                     "as ratios to plain XLA timed alternately with them), its min / median "
                     "/ max; from one process (processes: 1)"}

@@ -130,6 +130,9 @@ def test_oracle_row_per_shape_per_workload(result: tuple[dict, Path]) -> None:
     assert set(by_shape) == shapes
     assert all(by_shape[k]["ratio"] == oracles[k]["jaxmem_over_oracle"] for k in shapes)
     assert "jaxmem_within_5pct_of_oracle" in res["checks"]
+    by_workload = res["summary"]["by_workload"]
+    assert set(by_workload) == set(res["budgets"])
+    assert sum(d["shapes"] for d in by_workload.values()) == len(shapes)
 
 
 def test_time_ratios_carry_their_spread(result: tuple[dict, Path]) -> None:
