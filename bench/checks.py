@@ -61,7 +61,8 @@ def _ablation_shapes(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         entry = {"b": b, "s": s, "symbolic_level": sym["level"], "fallback_level": fb["level"],
                  "symbolic_peak_bytes": sym["peak_bytes"], "fallback_peak_bytes": fb["peak_bytes"],
                  "fallback_fits_budget": fb["fits_budget"],
-                 "differs": sym["level"] != fb["level"] or not fb["fits_budget"]}
+                 "differs": sym["level"] != fb["level"]
+                 or (sym["fits_budget"] and not fb["fits_budget"])}
         diffs.append(entry)
     return diffs
 
