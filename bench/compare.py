@@ -5,16 +5,22 @@ Usage::
     python -m bench.compare [--quick] [--model tiny|small|1b] [--budget 512MiB] \
         --out results.json [--results-dir DIR]
 
-Workload: the project's Llama train step (:mod:`bench.workload`). Shapes: a grid
-of ``(b, s)`` whose lengths are quantiles of the per-batch longest length that the
-training loop's length-grouped batcher produces on the built-in data. Budget:
-``--budget``, else ``--budget-fraction`` of plain XLA's peak at the largest shape
-(printed). Every method is measured at every shape (:mod:`bench.methods`); then the
-epoch figure (:mod:`bench.compare_epoch`), symbolic-vs-fallback coverage, the must-show
-checks, a Markdown table (``compare.md``) and figures under ``--results-dir``
-(default: the directory of ``--out``; :mod:`bench.outputs`).
+Workloads (``--workloads``, :mod:`bench.suite`): the project's Llama train step
+(:mod:`bench.workload`), a plain-JAX decoder with a Python loop over layers and no
+named scopes, and its ``lax.scan`` twin (:mod:`bench.decoders`). Shapes: per workload a
+grid of ``(b, s)`` whose lengths are quantiles of the per-batch longest length that the
+training loop's length-grouped batcher produces on the built-in data. Budget, per
+workload: ``--budget`` (the Llama only), else ``--budget-fraction`` of plain XLA's peak
+at its largest shape (printed). Every method is measured at every shape
+(:mod:`bench.methods`), then the oracle (:mod:`bench.oracle`: every jaxmem level and
+uniform policy compiled, the fastest that fits); then the epoch figure
+(:mod:`bench.compare_epoch`), symbolic-vs-fallback coverage, the must-show checks, a
+Markdown table (``compare.md``) and figures under ``--results-dir`` (default: the
+directory of ``--out``; :mod:`bench.outputs`). Every time ratio comes with its min /
+median / max over the paired repeats, all in one process.
 
-Writes docs/design.md §2's JSON to ``--out``: ``{"budget_bytes", "rows", "epoch", ...}``.
+Writes docs/design.md §2's JSON to ``--out``: ``{"budget_bytes", "rows", "epoch",
+"budgets", "workloads", "summary", ...}``.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import platform
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +40,12 @@ import numpy as np
 
 from bench.checks import coverage, must_show
 from bench.compare_epoch import EPOCH_METHODS, epoch_batches, epoch_figure
+from bench.decoders import program_workload
 from bench.figures import markdown, plot_peaks, plot_predicted
 from bench.methods import METHODS, Methods, measure
+from bench.oracle import oracle_rows, summary
 from bench.outputs import add_output_arguments, results_dir
+from bench.suite import WORKLOADS, merge, program_grid
 from bench.timeline import timeline_figure
 from bench.workload import Workload, build_workload
 from train.config import parse_bytes
@@ -118,9 +127,12 @@ def run_comparison(workload: Workload, grid: Sequence[tuple[int, int]], *,
                    epoch_batches_n: int | None = 8, epoch_b: int | None = None,
                    results_dir: Path | None = None, timeline: bool = True,
                    analyze_coverage: bool = True, fresh_epoch: bool = True,
-                   log: Any = print, save: Any = None) -> dict[str, Any]:
+                   oracle: bool = True, log: Any = print, save: Any = None) -> dict[str, Any]:
     """The whole comparison as a JSON-ready dict (figures and ``compare.md`` written to
     ``results_dir``; None: no files written).
+
+    ``oracle``: add an ``oracle`` row per shape (:mod:`bench.oracle`: every jaxmem level
+    and uniform policy compiled, the fastest that fits timed) and ``summary``.
 
     ``fresh_epoch=False`` lets the epoch reuse the grid's executables (tests only: its
     compile seconds then undercount). ``save(result)`` is called after each stage with
@@ -140,7 +152,11 @@ def run_comparison(workload: Workload, grid: Sequence[tuple[int, int]], *,
                               "workload": workload.name,
                               "config": _config(workload, grid, repeats, budget_fraction)}
     rows = run_grid(m, grid, methods, repeats, log, lambda r: save({**result, "rows": r}))
+    if oracle:
+        log("oracle: every jaxmem level and uniform policy, the fastest that fits")
+        rows += oracle_rows(m, rows, grid, repeats, log)
     result["rows"] = rows
+    result["summary"] = summary(rows)
     save(result)
     if epoch_batches_n != 0:
         eb = epoch_b or max_b
@@ -179,9 +195,11 @@ def run_comparison(workload: Workload, grid: Sequence[tuple[int, int]], *,
 def _config(w: Workload, grid: Sequence[tuple[int, int]], repeats: int,
             fraction: float) -> dict[str, Any]:
     c = w.config
-    return {"model": {"d_model": c.d_model, "n_layers": c.n_layers, "n_heads": c.n_heads,
-                      "n_kv_heads": c.n_kv_heads, "d_ff": c.d_ff, "vocab": c.vocab_size,
-                      "dtype": c.dtype, "param_dtype": c.param_dtype},
+    model = c if isinstance(c, dict) else {
+        "d_model": c.d_model, "n_layers": c.n_layers, "n_heads": c.n_heads,
+        "n_kv_heads": c.n_kv_heads, "d_ff": c.d_ff, "vocab": c.vocab_size, "dtype": c.dtype,
+        "param_dtype": c.param_dtype}
+    return {"model": model, "processes": 1,
             "grid": [list(x) for x in grid], "repeats": repeats, "budget_fraction": fraction,
             "examples": len(w.lengths), "max_len": w.max_len,
             "length_percentiles": {f"p{q}": int(np.percentile(w.lengths, q))
@@ -234,36 +252,81 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-analyze", action="store_true",
                    help="skip the jaxmem.analyze coverage counts (plan-set counts are kept)")
     p.add_argument("--layers", type=int, default=None, help="override the preset's n_layers")
+    p.add_argument("--no-oracle", action="store_true",
+                   help="skip the oracle rows (every jaxmem level compiled per shape)")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS,
+                   help="the Llama's grid follows --batch/--quantiles/--max-len; the "
+                        "decoders' grids are bench.suite.program_grid's")
     add_output_arguments(p, "results.json", required=True)
     a = p.parse_args(argv)
     side = results_dir(a)
     warnings.filterwarnings("ignore", message=".*unknown primitive.*")
     t0 = time.perf_counter()
     quick = a.quick
-    overrides = {"n_layers": a.layers} if a.layers else {}
-    w = build_workload(a.model, max_len=a.max_len, max_records=2000 if quick else None,
-                       **overrides)
-    if a.layers:
-        w.name = f"{w.name}-L{a.layers}"
-    print(f"workload {w.name}: {len(w.lengths)} examples, lengths p50 "
-          f"{int(np.median(w.lengths))}, max {int(w.lengths.max())} "
-          f"[{time.perf_counter() - t0:.1f}s]", flush=True)
-    batch = a.batch or ([8] if quick else [4, 8])
-    quantiles = a.quantiles or ([0.5, 0.9, 1.0] if quick else [0.25, 0.5, 0.75, 0.9, 1.0])
-    grid = shape_grid(w.lengths, batch, quantiles)
     epoch_n = a.epoch_batches if a.epoch_batches is not None else (3 if quick else -1)
-    result = run_comparison(
-        w, grid, budget_bytes=parse_bytes(a.budget) if a.budget else None,
-        budget_fraction=a.budget_fraction, methods=a.methods,
-        repeats=a.repeats or (2 if quick else 5),
-        epoch_batches_n=None if epoch_n < 0 else epoch_n,
-        results_dir=side, timeline=not a.no_timeline,
-        analyze_coverage=not a.no_analyze, log=lambda *x: print(*x, flush=True),
-        save=lambda r: _save(a.out, r, quick, partial=True, md=side))
+    runs = (lambda name=name: _setup(name, a, quick, epoch_n) for name in a.workloads)
+    result = run_workloads(
+        runs, side, log=lambda *x: print(*x, flush=True),
+        save=lambda r: _save(a.out, r, quick, partial=True, md=side),
+        budget_fraction=a.budget_fraction, methods=a.methods, oracle=not a.no_oracle)
     _save(a.out, result, quick)
-    print(Path(result["figures"]["markdown"]).read_text() if "figures" in result else "")
+    print(markdown(result))
     print(f"wrote {a.out} [{time.perf_counter() - t0:.1f}s total]")
     return 0
+
+
+def run_workloads(runs: Iterable[Callable[[], tuple[Workload, Sequence[tuple[int, int]],
+                                                    dict[str, Any]]]],
+                  results_dir: Path | None = None, log: Any = print, save: Any = None,
+                  **common: Any) -> dict[str, Any]:
+    """:func:`run_comparison` per workload, merged (:func:`bench.suite.merge`).
+
+    Args:
+        runs: each builds ``(workload, grid, run_comparison options)`` when called (so a
+            workload's data and state exist only while it runs).
+        results_dir: where figures and the merged ``compare.md`` go (None: nowhere).
+        log, save: as for :func:`run_comparison`; ``save`` gets the merged result so far.
+        **common: options for every workload (``budget_fraction``, ``methods``...).
+    """
+    save = save or (lambda r: None)
+    done: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for build in runs:
+        w, grid, kw = build()
+        log(f"workload {w.name}: {len(w.lengths)} examples, lengths p50 "
+            f"{int(np.median(w.lengths))}, max {int(w.lengths.max())}; grid {list(grid)} "
+            f"[{time.perf_counter() - t0:.1f}s]")
+        done.append(run_comparison(w, grid, results_dir=results_dir, log=log,
+                                   save=lambda r: save(merge([*done, r])), **common, **kw))
+    result = merge(done)
+    if results_dir is not None:
+        result["figures"] = {**result.get("figures", {}),
+                             "markdown": str(results_dir / "compare.md")}
+        (results_dir / "compare.md").write_text(markdown(result))
+    return result
+
+
+def _setup(name: str, a: argparse.Namespace, quick: bool, epoch_n: int
+           ) -> tuple[Workload, list[tuple[int, int]], dict[str, Any]]:
+    """Workload ``name``, its grid and its ``run_comparison`` options from the CLI."""
+    epoch = None if epoch_n < 0 else epoch_n
+    if name == "llama":
+        overrides = {"n_layers": a.layers} if a.layers else {}
+        w = build_workload(a.model, max_len=a.max_len, max_records=2000 if quick else None,
+                           **overrides)
+        if a.layers:
+            w.name = f"{w.name}-L{a.layers}"
+        batch = a.batch or ([8] if quick else [4, 8])
+        quantiles = a.quantiles or ([0.5, 0.9, 1.0] if quick else [0.25, 0.5, 0.75, 0.9, 1.0])
+        return w, shape_grid(w.lengths, batch, quantiles), {
+            "budget_bytes": parse_bytes(a.budget) if a.budget else None,
+            "repeats": a.repeats or (2 if quick else 5), "epoch_batches_n": epoch,
+            "timeline": not a.no_timeline, "analyze_coverage": not a.no_analyze}
+    g = program_grid(quick)
+    w = program_workload(name, g.layers, g.d, g.max_len, 2000 if quick else None)
+    return w, shape_grid(w.lengths, g.batch, g.quantiles), {
+        "repeats": a.repeats or g.repeats, "epoch_batches_n": 0 if quick else epoch,
+        "timeline": False, "analyze_coverage": not (quick or a.no_analyze)}
 
 
 def _save(path: str, result: dict[str, Any], quick: bool, partial: bool = False,

@@ -31,25 +31,35 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """The rows as a Markdown table, then the epoch figure and the must-show checks."""
-    budget = result["budget_bytes"]
-    lines = [f"# jaxmem vs baselines — {result.get('workload', '')}", "",
-             f"Budget: {_mib(budget)} MiB ({budget} bytes). Peaks are XLA's "
-             "`argument + output - alias + temp` of the executable run. "
-             "step_ratio = median over alternating runs of step time / xla's step time at "
-             "the same shape (run s: the length actually run; padding methods pad up).", "",
-             "| b | s | method | run s | peak MiB | predicted MiB | step ms | ratio | fits "
-             "| level |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        step_ms = None if r["step_s"] is None else 1e3 * r["step_s"]
-        lines.append(
-            f"| {r['b']} | {r['s']} | {r['method']} | {r.get('run_s', r['s'])} | "
-            f"{_mib(r['peak_bytes'])} | {_mib(r['predicted_peak_bytes'])} | "
-            f"{_fmt(step_ms, '.1f')} | {_fmt(r.get('step_ratio'), '.3f')} | "
-            f"{'yes' if r['fits_budget'] else 'NO'} | "
-            f"{'—' if r.get('level') is None else r['level']} |")
-    lines += ["", "## Epoch (real tokens/s)", "",
+    """Per workload the rows as a Markdown table, then jaxmem vs the oracle, the epoch
+    figure and the must-show checks."""
+    budgets = result.get("budgets") or {result.get("workload", ""): result["budget_bytes"]}
+    names = list(dict.fromkeys(r["workload"] for r in result["rows"])) or list(budgets)
+    lines = [f"# jaxmem vs baselines — {', '.join(names)}", "",
+             "Peaks are XLA's `argument + output - alias + temp` of the executable run. "
+             "ratio = median over alternating runs of step time / xla's step time at the "
+             "same shape, [min, max] over the paired repeats, one process (run s: the "
+             "length actually run; padding methods pad up). oracle: the fastest of every "
+             "jaxmem level and uniform policy that fits the budget."]
+    for name in names:
+        budget = budgets.get(name, result["budget_bytes"])
+        lines += ["", f"## {name}", "", f"Budget: {_mib(budget)} MiB ({budget} bytes).", "",
+                  "| b | s | method | run s | peak MiB | predicted MiB | step ms | ratio "
+                  "[min, max] | fits | level / choice |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [_table_row(r) for r in result["rows"] if r["workload"] == name]
+    over = result.get("summary", {}).get("jaxmem_over_oracle", [])
+    if over:
+        lines += ["", "## jaxmem / oracle step time", "",
+                  "| workload | b | s | oracle's choice | jaxmem level | median | min | max |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for e in over:
+            sp = e["ratio"] or {}
+            lines.append(f"| {e['workload']} | {e['b']} | {e['s']} | {e['oracle_choice']} | "
+                         f"{'—' if e['jaxmem_level'] is None else e['jaxmem_level']} | "
+                         + " | ".join(_fmt(sp.get(k), ".3f") for k in ("median", "min", "max"))
+                         + " |")
+    lines += ["", f"## Epoch (real tokens/s) — {result.get('workload', '')}", "",
               "| method | tok/s run-only | tok/s incl. compile | compile s | executables | "
               "max peak MiB | fits |", "|---|---|---|---|---|---|---|"]
     for m, d in result.get("epoch_detail", {}).get("methods", {}).items():
@@ -62,6 +72,19 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [f"- **{k}**: {'reached' if v['ok'] else 'NOT reached'} — {v['detail']}"
                   for k, v in checks.items()]
     return "\n".join(lines) + "\n"
+
+
+def _table_row(r: dict[str, Any]) -> str:
+    """One result row of the per-workload table."""
+    step_ms = None if r["step_s"] is None else 1e3 * r["step_s"]
+    sp = r.get("step_ratio_spread")
+    ratio = _fmt(r.get("step_ratio"), ".3f") + (
+        f" [{sp['min']:.3f}, {sp['max']:.3f}]" if sp and sp["n"] > 1 else "")
+    what = r.get("choice") or ("—" if r.get("level") is None else r["level"])
+    return (f"| {r['b']} | {r['s']} | {r['method']} | {r.get('run_s', r['s'])} | "
+            f"{_mib(r['peak_bytes'])} | {_mib(r['predicted_peak_bytes'])} | "
+            f"{_fmt(step_ms, '.1f')} | {ratio} | {'yes' if r['fits_budget'] else 'NO'} | "
+            f"{what} |")
 
 
 def plot_peaks(rows: Sequence[dict[str, Any]], budget: int, path: Path) -> Path:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 import jaxmem
-from bench.workload import REMAT_POLICIES, Workload
+from bench.workload import POLICY_NAMES, REMAT_POLICIES, Workload
 from jaxmem import xla_peak_bytes
 from jaxmem.lower import compiler_options
 from train.batching import bucket_length
@@ -59,16 +59,34 @@ class Prepared:
     min_peak_bytes: int | None = None
 
 
+def time_round(calls: Sequence[Callable[[], Any]], repeats: int, warmup: int = 1
+               ) -> list[list[float]]:
+    """Wall seconds of each call (blocked until ready), the calls taking turns.
+
+    Each of ``repeats`` rounds runs every call once, so a load change hits all of them
+    alike and ``times[i][r] / times[j][r]`` is a paired ratio. Round ``r`` starts at call
+    ``r % len(calls)`` (for two calls: AB, BA, AB...): on a loaded CPU the call that
+    opens a round measurably runs slower, so no call may always be first.
+
+    Returns:
+        ``times[i]``: the per-round seconds of ``calls[i]``.
+    """
+    for _ in range(warmup):
+        for call in calls:
+            jax.block_until_ready(call())
+    times: list[list[float]] = [[] for _ in calls]
+    n = len(calls)
+    for r in range(max(1, repeats)):
+        for i in (*range(r % n, n), *range(r % n)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(calls[i]())
+            times[i].append(time.perf_counter() - t0)
+    return times
+
+
 def time_step(call: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
     """Median wall seconds of ``call()`` (blocked until ready) after ``warmup`` calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(call())
-    times = []
-    for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(time_round([call], repeats, warmup)[0])
 
 
 def time_paired(call: Callable[[], Any], base: Callable[[], Any], repeats: int,
@@ -78,17 +96,22 @@ def time_paired(call: Callable[[], Any], base: Callable[[], Any], repeats: int,
     Returns:
         ``(median call s, median base s, median of the per-pair ratios)``.
     """
-    for _ in range(warmup):
-        jax.block_until_ready(call())
-        jax.block_until_ready(base())
-    a, b = [], []
-    for _ in range(max(1, repeats)):
-        for fn, acc in ((call, a), (base, b)):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            acc.append(time.perf_counter() - t0)
+    a, b = time_round([call, base], repeats, warmup)
     return (statistics.median(a), statistics.median(b),
             statistics.median(x / y for x, y in zip(a, b, strict=True)))
+
+
+def spread(ratios: Sequence[float]) -> dict[str, Any] | None:
+    """``{"min", "median", "max", "n", "processes": 1}`` of per-repeat ratios (None if none).
+
+    Example:
+        >>> spread([1.0, 3.0, 2.0])
+        {'min': 1.0, 'median': 2.0, 'max': 3.0, 'n': 3, 'processes': 1}
+    """
+    if not ratios:
+        return None
+    return {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios),
+            "n": len(ratios), "processes": 1}
 
 
 class Methods:
@@ -215,10 +238,16 @@ def measure(methods: Methods, method: str, b: int, s: int, repeats: int,
     """
     p = methods.prepare(method, b, s)
     step_s = ratio = paired_xla_s = None
+    times: list[float] = []
+    ratios: list[float] = []
     if p.call is not None and xla_call is not None and method != "xla":
-        step_s, paired_xla_s, ratio = time_paired(p.call, xla_call, repeats)
+        times, base = time_round([p.call, xla_call], repeats)
+        ratios = [x / y for x, y in zip(times, base, strict=True)]
+        paired_xla_s, ratio = statistics.median(base), statistics.median(ratios)
     elif p.call is not None:
-        step_s = time_step(p.call, repeats)
+        times = time_round([p.call], repeats)[0]
+    if times:
+        step_s = statistics.median(times)
     if ratio is None and step_s is not None and xla_step_s:
         ratio = step_s / xla_step_s
     budget = methods.budget_bytes
@@ -229,8 +258,11 @@ def measure(methods: Methods, method: str, b: int, s: int, repeats: int,
         "step_s": step_s,
         "step_ratio": ratio, "xla_step_s_paired": paired_xla_s,
         "fits_budget": bool(fits), "run_s": p.run_s, "compile_s": round(p.compile_s, 3),
-        "level": p.level,
+        "level": p.level, "step_s_repeats": times, "step_ratio_repeats": ratios,
+        "step_ratio_spread": spread(ratios),
     }
+    if method in REMAT_POLICIES:
+        row["hand"] = f"per-layer jax.checkpoint({POLICY_NAMES[method]})"
     if p.min_peak_bytes is not None:
         row["min_peak_bytes"] = p.min_peak_bytes
     return row, p

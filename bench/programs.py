@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxmem import xla_peak_bytes
@@ -198,10 +199,7 @@ def gpt_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
               "head": jax.ShapeDtypeStruct((d, vocab), jnp.float32)}
 
     def layer(x: jax.Array, p: Any) -> jax.Array:
-        if not mlp_only:
-            x = x + causal_attention(layer_norm(x, p["ln1"]), p, heads)
-        h = jax.nn.gelu(layer_norm(x, p["ln2"]) @ p["fc"]["w"] + p["fc"]["b"])
-        return x + h @ p["proj"]["w"] + p["proj"]["b"]
+        return gpt_block(x, p, heads, mlp_only)
 
     if remat_policy is not None:
         layer = jax.checkpoint(layer, policy=remat_policy)
@@ -210,18 +208,72 @@ def gpt_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
         x = params["embed"][tokens] + sinusoid(tokens.shape[1], d)
         for p in params["blocks"]:
             x = layer(x, p)
-        logits = layer_norm(x, params["ln_f"]) @ params["head"]
-        targets = jnp.roll(tokens, -1, axis=1)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        return _lm_loss(x, params, tokens)
 
+    name = f"gpt{layers}x{d}" + ("-mlp" if mlp_only else "") + ("-remat" if remat_policy else "")
+    return _gpt(name, loss_fn, params, max_b, max_s)
+
+
+def gpt_scan_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
+                     max_b: int = 16, max_s: int = 512,
+                     remat_policy: Callable[..., Any] | None = None) -> Program:
+    """:func:`gpt_program` with ``lax.scan`` over stacked layer parameters (how MaxText
+    and Levanter write it); ``remat_policy`` wraps the scanned body in ``jax.checkpoint``.
+    """
+    block = {"ln1": _ln_params(d), "ln2": _ln_params(d), "fc": _dense(None, d, 4 * d),
+             "proj": _dense(None, 4 * d, d), "qkv": _dense(None, d, 3 * d),
+             "out": _dense(None, d, d)}
+    stacked = jax.tree_util.tree_map(
+        lambda t: jax.ShapeDtypeStruct((layers, *t.shape), t.dtype), block)
+    params = {"embed": jax.ShapeDtypeStruct((vocab, d), jnp.float32), "blocks": stacked,
+              "ln_f": _ln_params(d), "head": jax.ShapeDtypeStruct((d, vocab), jnp.float32)}
+
+    def layer(x: jax.Array, p: Any) -> tuple[jax.Array, None]:
+        return gpt_block(x, p, heads), None
+
+    body = layer if remat_policy is None else jax.checkpoint(layer, policy=remat_policy)
+
+    def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
+        x = params["embed"][tokens] + sinusoid(tokens.shape[1], d)
+        x, _ = jax.lax.scan(body, x, params["blocks"])
+        return _lm_loss(x, params, tokens)
+
+    name = f"gpt{layers}x{d}-scan" + ("-remat" if remat_policy else "")
+    return _gpt(name, loss_fn, params, max_b, max_s)
+
+
+def gpt_block(x: jax.Array, p: Mapping[str, Any], heads: int, mlp_only: bool = False
+              ) -> jax.Array:
+    """One pre-norm GPT block: causal attention (unless ``mlp_only``), then a GELU MLP."""
+    if not mlp_only:
+        x = x + causal_attention(layer_norm(x, p["ln1"]), p, heads)
+    h = jax.nn.gelu(layer_norm(x, p["ln2"]) @ p["fc"]["w"] + p["fc"]["b"])
+    return x + h @ p["proj"]["w"] + p["proj"]["b"]
+
+
+def _lm_loss(x: jax.Array, params: Any, tokens: jax.Array) -> jax.Array:
+    logits = layer_norm(x, params["ln_f"]) @ params["head"]
+    targets = jnp.roll(tokens, -1, axis=1)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def _gpt(name: str, loss_fn: Callable[..., jax.Array], params: Any, max_b: int,
+         max_s: int) -> Program:
+    """A next-token LM step on ``tokens: i32[b, s]`` under AdamW."""
     opt = optax.adamw(1e-3)
 
     def batch(dd: Dims) -> tuple[jax.ShapeDtypeStruct, ...]:
         return (jax.ShapeDtypeStruct((dd["b"], dd["s"]), jnp.int32),)
 
-    name = f"gpt{layers}x{d}" + ("-mlp" if mlp_only else "") + ("-remat" if remat_policy else "")
     return Program(name, optax_step(loss_fn, opt), _train_state(params, opt), batch,
                    ("b", "s"), (f"b <= {max_b}", f"s <= {max_s}"))
+
+
+def concrete(tree: Any, seed: int) -> Any:
+    """Small random arrays (scale 0.02) in place of a pytree of ``jax.ShapeDtypeStruct``."""
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map(
+        lambda t: jnp.asarray(rng.standard_normal(t.shape).astype(t.dtype) * 0.02), tree)
 
 
 def attention_program(d: int = 128, heads: int = 2, vocab: int = 128, max_b: int = 16,

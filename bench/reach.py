@@ -31,20 +31,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxmem
-from bench.methods import REMAT_POLICIES, time_paired
+from bench.methods import time_paired
 from bench.outputs import TextTable, add_output_arguments
-from bench.programs import gpt_program
+from bench.programs import concrete, gpt_program, gpt_scan_program
+from bench.workload import POLICY_NAMES, REMAT_POLICIES
 from jaxmem.lower import compiler_options
 from jaxmem.units import human_bytes
 
-POLICIES = {"nothing_saveable": jax.checkpoint_policies.nothing_saveable,
-            "dots_saveable": jax.checkpoint_policies.dots_saveable}
-
-
-def _concrete(tree: Any, seed: int) -> Any:
-    rng = np.random.default_rng(seed)
-    return jax.tree_util.tree_map(
-        lambda t: jnp.asarray(rng.standard_normal(t.shape).astype(t.dtype) * 0.02), tree)
+#: per-layer hand checkpoint policies by their ``jax.checkpoint_policies`` name
+POLICIES = {POLICY_NAMES[m]: p for m, p in REMAT_POLICIES.items()}
 
 
 def gpt_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
@@ -55,46 +50,21 @@ def gpt_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (b, s)), jnp.int32)
     return {"name": f"gpt{layers}x{d} (plain JAX loop, no scopes)", "step": p.step,
             "hand": {k: make(v).step for k, v in POLICIES.items()},
-            "args": (_concrete(p.state, 0), tokens), "constraints": p.constraints,
+            "args": (concrete(p.state, 0), tokens), "constraints": p.constraints,
             "poly": (None, "b, s")}
 
 
 def gpt_scan_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
     """The same GPT with ``lax.scan`` over stacked layer parameters (how MaxText and
     Levanter write it); the hand policy wraps the scanned body in ``jax.checkpoint``."""
-    import optax
-
-    from bench.programs import causal_attention, layer_norm, optax_step, sinusoid
-
-    base = gpt_case(b, s, layers, d)
-    heads = max(1, d // 64)
-    state = base["args"][0]
-    params = state[0] if isinstance(state, tuple) else state
-
-    def make(policy: Any = None) -> Callable[..., Any]:
-        def layer(x: jax.Array, p: Any) -> tuple[jax.Array, None]:
-            x = x + causal_attention(layer_norm(x, p["ln1"]), p, heads)
-            h = jax.nn.gelu(layer_norm(x, p["ln2"]) @ p["fc"]["w"] + p["fc"]["b"])
-            return x + h @ p["proj"]["w"] + p["proj"]["b"], None
-
-        body = layer if policy is None else jax.checkpoint(layer, policy=policy)
-
-        def loss_fn(ps: Any, tokens: jax.Array) -> jax.Array:
-            x = ps["embed"][tokens] + sinusoid(tokens.shape[1], d)
-            x, _ = jax.lax.scan(body, x, ps["blocks"])
-            logits = layer_norm(x, ps["ln_f"]) @ ps["head"]
-            targets = jnp.roll(tokens, -1, axis=1)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-        return optax_step(loss_fn, optax.adamw(1e-3))
-
-    stacked = dict(params, blocks=jax.tree_util.tree_map(lambda *xs: jnp.stack(xs),
-                                                         *params["blocks"]))
-    opt_state = optax.adamw(1e-3).init(stacked)
-    return {"name": f"gpt{layers}x{d} with lax.scan over stacked layers", "step": make(),
-            "hand": {k: make(v) for k, v in POLICIES.items()},
-            "args": ((stacked, opt_state), base["args"][1]),
-            "constraints": base["constraints"], "poly": base["poly"]}
+    make = lambda policy=None: gpt_scan_program(  # noqa: E731
+        layers, d, max(1, d // 64), 256, b, s, remat_policy=policy)
+    p = make()
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (b, s)), jnp.int32)
+    return {"name": f"gpt{layers}x{d} with lax.scan over stacked layers", "step": p.step,
+            "hand": {k: make(v).step for k, v in POLICIES.items()},
+            "args": (concrete(p.state, 0), tokens), "constraints": p.constraints,
+            "poly": (None, "b, s")}
 
 
 def linen_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
@@ -193,8 +163,7 @@ def llama_case(b: int, s: int) -> dict[str, Any]:
     from bench.workload import build_workload
 
     w = build_workload("tiny", max_len=max(s, 800))
-    hand = {"nothing_saveable": w.remat_step(REMAT_POLICIES["xla+full_remat"]),
-            "dots_saveable": w.remat_step(REMAT_POLICIES["xla+dots"])}
+    hand = {k: w.remat_step(v) for k, v in POLICIES.items()}
     return {"name": "llama tiny (Flax NNX)", "step": w.train_step, "hand": hand,
             "args": (w.state, w.batch(b, s)), "constraints": (f"b <= {b}", f"s <= {s}"),
             "poly": (None, "b, s")}

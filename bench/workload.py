@@ -37,6 +37,8 @@ REMAT_POLICIES: dict[str, Callable[..., bool]] = {
     "xla+full_remat": jax.checkpoint_policies.nothing_saveable,
     "xla+dots": jax.checkpoint_policies.dots_saveable,
 }
+#: The ``jax.checkpoint_policies`` name of each uniform policy, by method name.
+POLICY_NAMES: dict[str, str] = {"xla+full_remat": "nothing_saveable", "xla+dots": "dots_saveable"}
 
 
 @dataclasses.dataclass
@@ -52,16 +54,21 @@ class Workload:
         tx: the optimizer.
         dataset: the tokenized built-in data.
         max_len: longest sequence kept in the data.
+        remat: policy -> the same step with every layer under ``jax.checkpoint(policy)``
+            (None: the Llama's :func:`make_remat_step`).
+        batch_keys: the batch entries the step reads (the others are not passed).
     """
 
     name: str
-    config: LlamaConfig
+    config: LlamaConfig | dict[str, Any]
     state: Any
     train_step: Step
     graphdef: Any
-    tx: optax.GradientTransformation
+    tx: optax.GradientTransformation | None
     dataset: Dataset
     max_len: int
+    remat: Callable[[Callable[..., bool]], Step] | None = None
+    batch_keys: tuple[str, ...] = ("tokens", "targets", "loss_mask")
 
     @property
     def lengths(self) -> np.ndarray:
@@ -78,10 +85,13 @@ class Workload:
             from train.batching import collate
 
             host = collate(self.dataset.examples, indices, ByteTokenizer().pad_id, s)
-        return {k: jnp.asarray(v) for k, v in host.items()}
+        return {k: jnp.asarray(host[k]) for k in self.batch_keys}
 
     def remat_step(self, policy: Callable[..., bool]) -> Step:
         """The same step with every layer under ``jax.checkpoint(policy=policy)``."""
+        if self.remat is not None:
+            return self.remat(policy)
+        assert self.tx is not None
         return make_remat_step(self.graphdef, self.tx, policy)
 
 

@@ -19,12 +19,15 @@ from pathlib import Path
 import pytest
 
 from bench import compare, dispatch, offload
-from bench.compare import run_comparison, shape_grid
+from bench.compare import run_workloads, shape_grid
+from bench.decoders import program_workload
 from bench.workload import Workload, build_workload
 from train.batching import bucket_length
 from train.stdlib_data import records_from_source
 
-METHODS_UNDER_TEST = ("xla", "jaxmem-static", "pad-max")
+METHODS_UNDER_TEST = ("xla", "xla+dots", "jaxmem", "pad-max")
+PROGRAMS_UNDER_TEST = ("gpt", "gpt-scan")
+SPREAD_KEYS = {"min", "median", "max", "n", "processes"}
 
 ROW_KEYS = {"workload": str, "b": int, "s": int, "method": str, "peak_bytes": int,
             "step_s": float, "fits_budget": bool}
@@ -41,25 +44,37 @@ def workload() -> Workload:
 
 @pytest.fixture(scope="module")
 def result(workload: Workload, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """The tiny Llama and the two tiny decoders, one shape each (8 examples: 2 batches of
+    4), every method of METHODS_UNDER_TEST plus the oracle; the epoch for the Llama."""
     out = tmp_path_factory.mktemp("bench")
-    w = workload
-    grid = shape_grid(w.lengths, [4], [1.0])  # 8 examples: 2 batches of 4
-    # jaxmem's symbolic analysis takes minutes even for this model (reported), so the fast
-    # test compares the static planner; the CLI runs every method.
-    res = run_comparison(w, grid, budget_fraction=0.9, methods=METHODS_UNDER_TEST,
-                         repeats=1, epoch_batches_n=2, results_dir=out, timeline=False,
-                         analyze_coverage=False, fresh_epoch=False, log=lambda *a: None)
+    records = records_from_source(inspect.getsource(fractions))
+    opts = {"repeats": 2, "timeline": False, "analyze_coverage": False, "fresh_epoch": False}
+
+    def run(w: Workload, epoch: int) -> tuple[Workload, list, dict]:
+        return w, shape_grid(w.lengths, [4], [1.0]), {**opts, "epoch_batches_n": epoch}
+
+    runs = [lambda: run(workload, 2)] + [
+        lambda k=k: run(program_workload(k, 1, 32, 160, records=records), 0)
+        for k in PROGRAMS_UNDER_TEST]
+    res = run_workloads(runs, out, log=lambda *a: None, budget_fraction=0.9,
+                        methods=METHODS_UNDER_TEST)
     return json.loads(json.dumps(res)), out
 
 
 def test_json_contract(result: tuple[dict, Path]) -> None:
     res, _ = result
     assert isinstance(res["budget_bytes"], int) and res["budget_bytes"] > 0
-    assert {r["method"] for r in res["rows"]} == set(METHODS_UNDER_TEST)
+    assert {r["method"] for r in res["rows"]} == {*METHODS_UNDER_TEST, "oracle"}
     for row in res["rows"]:
+        if row["method"] == "oracle":
+            continue
         if "error" in row:  # a method that raised is recorded, not lost (a jaxmem bug)
             assert row["method"] != "xla" and isinstance(row["error"], str)
             assert row["peak_bytes"] is None and row["fits_budget"] is False
+            continue
+        if "min_peak_bytes" in row:  # jaxmem found no plan within the budget: nothing ran
+            assert row["method"].startswith("jaxmem") and row["fits_budget"] is False
+            assert row["step_s"] is None and row["peak_bytes"] == row["min_peak_bytes"]
             continue
         for key, typ in ROW_KEYS.items():
             assert isinstance(row[key], typ), (key, row)
@@ -68,7 +83,7 @@ def test_json_contract(result: tuple[dict, Path]) -> None:
             assert isinstance(row["predicted_peak_bytes"], int)
         else:
             assert row["predicted_peak_bytes"] is None
-    assert set(res["epoch"]) == {"pad-max", "xla"}
+    assert set(res["epoch"]) == {"jaxmem", "pad-max", "xla"}
     assert all(isinstance(v, float) for v in res["epoch"].values())
     detail = res["epoch_detail"]["methods"]["xla"]
     assert {"compile_s", "tokens_per_s_incl_compile", "run_s", "tokens"} <= set(detail)
@@ -76,11 +91,73 @@ def test_json_contract(result: tuple[dict, Path]) -> None:
     assert all(isinstance(c["ok"], bool) for c in res["checks"].values())
 
 
+def test_every_workload_has_its_rows_and_budget(result: tuple[dict, Path]) -> None:
+    res, _ = result
+    names = list(res["budgets"])
+    assert names[0] == res["workload"] and len(names) == 1 + len(PROGRAMS_UNDER_TEST)
+    assert [n.rsplit("-", 1)[0] for n in names[1:]] == list(PROGRAMS_UNDER_TEST)
+    assert res["budgets"][res["workload"]] == res["budget_bytes"]
+    for name in names:
+        assert isinstance(res["budgets"][name], int) and res["budgets"][name] > 0
+        rows = [r for r in res["rows"] if r["workload"] == name]
+        assert {r["method"] for r in rows} == {*METHODS_UNDER_TEST, "oracle"}
+        assert res["workloads"][name]["budget_bytes"] == res["budgets"][name]
+    hand = [r for r in res["rows"] if r["method"] == "xla+dots"]
+    assert all(r["hand"] == "per-layer jax.checkpoint(dots_saveable)" for r in hand)
+
+
+def test_oracle_row_per_shape_per_workload(result: tuple[dict, Path]) -> None:
+    res, _ = result
+    shapes = {(r["workload"], r["b"], r["s"]) for r in res["rows"]}
+    oracles = {(r["workload"], r["b"], r["s"]): r for r in res["rows"] if r["method"] == "oracle"}
+    assert set(oracles) == shapes
+    for (name, b, s), row in oracles.items():
+        budget = res["budgets"][name]
+        names = [c["name"] for c in row["candidates"]]
+        assert {"xla", "xla+full_remat", "xla+dots", "jaxmem level 0"} <= set(names)
+        fitting = [c for c in row["candidates"] if c["fits_budget"] and c["step_ratio"]]
+        assert all(c["peak_bytes"] <= budget for c in fitting)
+        if not row["fits_budget"]:
+            assert row["choice"] is None and not fitting
+            continue
+        chosen = next(c for c in row["candidates"] if c["name"] == row["choice"])
+        assert chosen["step_ratio"] == min(c["step_ratio"] for c in fitting)
+        assert row["peak_bytes"] == chosen["peak_bytes"] <= budget
+        jm = next(r for r in res["rows"] if (r["workload"], r["b"], r["s"], r["method"])
+                  == (name, b, s, "jaxmem"))
+        assert (row["jaxmem_over_oracle"] is not None) == jm["fits_budget"]
+    by_shape = {(e["workload"], e["b"], e["s"]): e for e in res["summary"]["jaxmem_over_oracle"]}
+    assert set(by_shape) == shapes
+    assert all(by_shape[k]["ratio"] == oracles[k]["jaxmem_over_oracle"] for k in shapes)
+    assert "jaxmem_within_5pct_of_oracle" in res["checks"]
+    by_workload = res["summary"]["by_workload"]
+    assert set(by_workload) == set(res["budgets"])
+    assert sum(d["shapes"] for d in by_workload.values()) == len(shapes)
+
+
+def test_time_ratios_carry_their_spread(result: tuple[dict, Path]) -> None:
+    res, _ = result
+    timed = [r for r in res["rows"] if r["step_ratio_repeats"]]
+    assert timed
+    for row in timed:
+        sp = row["step_ratio_spread"]
+        assert set(sp) == SPREAD_KEYS and sp["processes"] == 1
+        assert sp["min"] <= sp["median"] <= sp["max"] and sp["n"] == len(row["step_ratio_repeats"])
+        assert sp["median"] == pytest.approx(row["step_ratio"])
+    for e in res["summary"]["jaxmem_over_oracle"]:
+        assert e["ratio"] is None or set(e["ratio"]) == SPREAD_KEYS
+    assert res["config"]["processes"] == 1
+
+
 def test_figures_written(result: tuple[dict, Path]) -> None:
     res, out = result
     for key in ("peaks", "predicted", "markdown"):
         assert Path(res["figures"][key]).is_file() and Path(res["figures"][key]).stat().st_size
-    assert "| b | s | method" in (out / "compare.md").read_text()
+    for section in res["workloads"].values():
+        assert Path(section["figures"]["peaks"]).is_file()
+    md = (out / "compare.md").read_text()
+    assert "| b | s | method" in md and "jaxmem / oracle" in md
+    assert all(f"## {name}" in md for name in res["budgets"])
 
 
 def test_bucket_length() -> None:
@@ -170,8 +247,9 @@ def test_bench_writes_only_where_told(bench: str, workload: Workload, tmp_path: 
     argv = ["--out", str(out / f"{bench}.json")]
     if bench == "compare":  # the tiny workload, one shape, two methods: a few seconds
         monkeypatch.setattr(compare, "build_workload", lambda *a, **k: workload)
-        argv += ["--batch", "4", "--quantiles", "1.0", "--repeats", "1", "--epoch-batches", "0",
-                 "--methods", "xla", "pad-max", "--no-timeline", "--no-analyze"]
+        argv += ["--workloads", "llama", "--batch", "4", "--quantiles", "1.0", "--repeats", "1",
+                 "--epoch-batches", "0",
+                 "--methods", "xla", "pad-max", "--no-timeline", "--no-analyze", "--no-oracle"]
     else:
         argv.append("--quick")
     main = {"dispatch": dispatch.main, "offload": offload.main, "compare": compare.main}[bench]
