@@ -1,6 +1,7 @@
 """Compile planning for a :class:`~jaxmem.Jitted`: announced calls priced by measured costs.
 
-:class:`CostLog` records what each plan's compile and each reported step took.
+:class:`~jaxmem.dispatch.costs.CostLog` records what each plan's compile and each reported
+step took.
 :func:`compile_problem` turns announced call dims into a
 :class:`~jaxmem.plan.compiles.CompileProblem`: a shape's step seconds are predicted
 from the FLOPs of the level its guard selects there under the budget (None where no
