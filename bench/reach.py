@@ -42,26 +42,17 @@ from jaxmem.units import human_bytes
 POLICIES = {POLICY_NAMES[m]: p for m, p in REMAT_POLICIES.items()}
 
 
-def gpt_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
-    """The plain-JAX GPT: its step, per-layer checkpointed twins, arguments and constraints."""
-    make = lambda policy=None: gpt_program(layers, d, max(1, d // 64), 256, b, s,  # noqa: E731
-                                           remat_policy=policy)
+def gpt_case(b: int, s: int, layers: int, d: int, scan: bool = False) -> dict[str, Any]:
+    """The plain-JAX GPT (``scan``: its twin with ``lax.scan`` over stacked layer
+    parameters, as MaxText and Levanter write it): its step, per-layer checkpointed
+    twins (for the scan, ``jax.checkpoint`` on the body), arguments and constraints."""
+    program = gpt_scan_program if scan else gpt_program
+    make = lambda policy=None: program(layers, d, max(1, d // 64), 256, b, s,  # noqa: E731
+                                       remat_policy=policy)
     p = make()
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (b, s)), jnp.int32)
-    return {"name": f"gpt{layers}x{d} (plain JAX loop, no scopes)", "step": p.step,
-            "hand": {k: make(v).step for k, v in POLICIES.items()},
-            "args": (concrete(p.state, 0), tokens), "constraints": p.constraints,
-            "poly": (None, "b, s")}
-
-
-def gpt_scan_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
-    """The same GPT with ``lax.scan`` over stacked layer parameters (how MaxText and
-    Levanter write it); the hand policy wraps the scanned body in ``jax.checkpoint``."""
-    make = lambda policy=None: gpt_scan_program(  # noqa: E731
-        layers, d, max(1, d // 64), 256, b, s, remat_policy=policy)
-    p = make()
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (b, s)), jnp.int32)
-    return {"name": f"gpt{layers}x{d} with lax.scan over stacked layers", "step": p.step,
+    name = "with lax.scan over stacked layers" if scan else "(plain JAX loop, no scopes)"
+    return {"name": f"gpt{layers}x{d} {name}", "step": p.step,
             "hand": {k: make(v).step for k, v in POLICIES.items()},
             "args": (concrete(p.state, 0), tokens), "constraints": p.constraints,
             "poly": (None, "b, s")}
@@ -247,12 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--programs", default="gpt,gpt-scan,linen,linen-scan,llama")
     add_output_arguments(ap, "reach.json")
     a = ap.parse_args(argv)
-    cases = {"gpt": lambda: gpt_case(*((2, 64, 3, 64) if a.quick else (4, 256, 4, 256))),
-             "gpt-scan": lambda: gpt_scan_case(*((2, 64, 3, 64) if a.quick
-                                                 else (4, 256, 4, 256))),
-             "linen": lambda: linen_case(*((2, 64, 3, 64) if a.quick else (4, 256, 4, 256))),
-             "linen-scan": lambda: linen_scan_case(*((2, 64, 3, 64) if a.quick
-                                                   else (4, 256, 4, 256))),
+    size = (2, 64, 3, 64) if a.quick else (4, 256, 4, 256)
+    cases = {"gpt": lambda: gpt_case(*size), "gpt-scan": lambda: gpt_case(*size, scan=True),
+             "linen": lambda: linen_case(*size), "linen-scan": lambda: linen_scan_case(*size),
              "llama": lambda: llama_case(*((2, 64) if a.quick else (8, 512)))}
     log = TextTable()
     rows = [measure(cases[name](), a.repeats, log) for name in a.programs.split(",")]

@@ -124,13 +124,18 @@ class SpyRunner:
         return {"step": state["step"] + 1}, {"loss": 1.0, "grad_norm": 1.0}
 
 
-def test_loop_announces_each_epoch_up_front_in_run_order() -> None:
-    lengths = [3, 17, 5, 11, 8, 2, 14, 6, 9, 12]  # batch 2: 5 batches per epoch
+def toy_setup() -> types.SimpleNamespace:
+    """The loop's inputs for 10 short examples in batches of 2 (5 batches per epoch)."""
+    lengths = [3, 17, 5, 11, 8, 2, 14, 6, 9, 12]
     examples = [Example(np.arange(n + 1, dtype=np.int32), prompt_len=1) for n in lengths]
     batcher = LengthGroupedBatcher(np.array(lengths), batch_size=2, seed=0, window_batches=2)
-    setup = types.SimpleNamespace(
+    return types.SimpleNamespace(
         batcher=batcher, dataset=types.SimpleNamespace(examples=examples),
         tokenizer=types.SimpleNamespace(pad_id=0), batch_sharding=None)
+
+
+def test_loop_announces_each_epoch_up_front_in_run_order() -> None:
+    setup = toy_setup()
     cfg = parse_args(["--steps", "14", "--batch-size", "2", "--compile-ahead", "3",
                       "--no-progress"])
     runner = SpyRunner()
@@ -151,12 +156,7 @@ class PaddingSpy(SpyRunner):
 
 
 def test_loop_runs_batches_at_the_planned_lengths_and_keeps_them_for_resume() -> None:
-    lengths = [3, 17, 5, 11, 8, 2, 14, 6, 9, 12]
-    examples = [Example(np.arange(n + 1, dtype=np.int32), prompt_len=1) for n in lengths]
-    batcher = LengthGroupedBatcher(np.array(lengths), batch_size=2, seed=0, window_batches=2)
-    setup = types.SimpleNamespace(
-        batcher=batcher, dataset=types.SimpleNamespace(examples=examples),
-        tokenizer=types.SimpleNamespace(pad_id=0), batch_sharding=None)
+    setup = toy_setup()
     cfg = parse_args(["--steps", "6", "--batch-size", "2", "--no-progress"])
     runner, meta = PaddingSpy(), {"losses": [], "run_lengths": {"5": 18}}  # step 5: decided
     train_loop(cfg, setup, runner, {"step": 0}, meta, None)
@@ -205,12 +205,8 @@ class FirstStepFirst(SpyRunner):
 
 
 def test_undecided_steps_are_announced_again() -> None:
-    lengths = [3, 17, 5, 11, 8, 2, 14, 6, 9, 12]
-    examples = [Example(np.arange(n + 1, dtype=np.int32), prompt_len=1) for n in lengths]
-    batcher = LengthGroupedBatcher(np.array(lengths), batch_size=2, seed=0, window_batches=2)
-    setup = types.SimpleNamespace(
-        batcher=batcher, dataset=types.SimpleNamespace(examples=examples),
-        tokenizer=types.SimpleNamespace(pad_id=0), batch_sharding=None)
+    setup = toy_setup()
+    batcher = setup.batcher
     cfg = parse_args(["--steps", "5", "--batch-size", "2", "--no-progress"])
     runner, meta = FirstStepFirst(), {"losses": []}
     train_loop(cfg, setup, runner, {"step": 0}, meta, None)
