@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.epoch",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="30 steps (cold + warm < 15 min)")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 100)")
     ap.add_argument("--budget", default="512MiB")
     ap.add_argument("--methods", default=",".join(METHOD_FLAGS))
     ap.add_argument("--cache-dir", required=True, type=Path)
@@ -156,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [m for m in methods if m not in METHOD_FLAGS]
     if unknown:
         ap.error(f"unknown --methods {unknown}; choose from {list(METHOD_FLAGS)}")
-    steps = ns.steps or (30 if ns.quick else 200)
+    steps = ns.steps or (30 if ns.quick else 100)
     if steps < 2:
         ap.error(f"--steps must be >= 2, got {steps}")
     report = epoch_report(steps, ns.budget, ns.cache_dir, methods)
