@@ -58,12 +58,32 @@ def gpt_case(b: int, s: int, layers: int, d: int, scan: bool = False) -> dict[st
             "poly": (None, "b, s")}
 
 
-def linen_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
-    """A Flax linen decoder (its own modules, ``nn.remat`` as the hand policy)."""
-    import flax.linen as nn
+def _linen_case(name: str, make: Callable[[Any], Any], b: int, s: int) -> dict[str, Any]:
+    """A reach case from ``make(policy)``, a linen language model (``policy``: the hand
+    ``nn.remat`` policy of its blocks, None for none), trained by AdamW on next tokens."""
     import optax
 
     from bench.programs import optax_step
+
+    def step_of(model: Any) -> Callable[..., Any]:
+        def loss_fn(ps: Any, tokens: jax.Array) -> jax.Array:
+            targets = jnp.roll(tokens, -1, axis=1)
+            return optax.softmax_cross_entropy_with_integer_labels(
+                model.apply(ps, tokens), targets).mean()
+        return optax_step(loss_fn, optax.adamw(1e-3))
+
+    model = make(None)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (b, s)), jnp.int32)
+    params = model.init(jax.random.key(0), tokens)
+    state = (params, optax.adamw(1e-3).init(params))
+    return {"name": name, "step": step_of(model),
+            "hand": {k: step_of(make(v)) for k, v in POLICIES.items()}, "args": (state, tokens),
+            "constraints": (f"b <= {b}", f"s <= {s}"), "poly": (None, "b, s")}
+
+
+def linen_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
+    """A Flax linen decoder (its own modules, ``nn.remat`` as the hand policy)."""
+    import flax.linen as nn
 
     class Block(nn.Module):
         @nn.compact
@@ -74,7 +94,7 @@ def linen_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
             x = x + h
             return x + nn.Dense(d)(nn.gelu(nn.Dense(4 * d)(nn.LayerNorm()(x))))
 
-    def make(policy: Any = None) -> tuple[Callable[..., Any], Any]:
+    def make(policy: Any = None) -> Any:
         block = Block if policy is None else nn.remat(Block, policy=policy)
 
         class Decoder(nn.Module):
@@ -85,31 +105,15 @@ def linen_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
                     x = block(name=f"block_{i}")(x)
                 return nn.Dense(256)(nn.LayerNorm()(x))
 
-        model = Decoder()
+        return Decoder()
 
-        def loss_fn(ps: Any, tokens: jax.Array) -> jax.Array:
-            logits = model.apply(ps, tokens)
-            targets = jnp.roll(tokens, -1, axis=1)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-        return optax_step(loss_fn, optax.adamw(1e-3)), model
-
-    step, model = make()
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (b, s)), jnp.int32)
-    params = model.init(jax.random.key(0), tokens)
-    state = (params, optax.adamw(1e-3).init(params))
-    return {"name": f"Flax linen decoder {layers}x{d}", "step": step,
-            "hand": {k: make(v)[0] for k, v in POLICIES.items()}, "args": (state, tokens),
-            "constraints": (f"b <= {b}", f"s <= {s}"), "poly": (None, "b, s")}
+    return _linen_case(f"Flax linen decoder {layers}x{d}", make, b, s)
 
 
 def linen_scan_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
     """A Flax linen decoder whose blocks run under ``nn.scan`` over stacked params (one
     traced body); the hand policy is ``nn.remat`` of the scanned block."""
     import flax.linen as nn
-    import optax
-
-    from bench.programs import optax_step
 
     class Block(nn.Module):
         @nn.compact
@@ -120,7 +124,7 @@ def linen_scan_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
             x = x + h
             return x + nn.Dense(d)(nn.gelu(nn.Dense(4 * d)(nn.LayerNorm()(x)))), None
 
-    def make(policy: Any = None) -> tuple[Callable[..., Any], Any]:
+    def make(policy: Any = None) -> Any:
         block = Block if policy is None else nn.remat(Block, policy=policy)
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                         length=layers)
@@ -131,22 +135,9 @@ def linen_scan_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
                 x, _ = stack(name="blocks")(nn.Embed(256, d)(tokens), None)
                 return nn.Dense(256)(nn.LayerNorm()(x))
 
-        model = Decoder()
+        return Decoder()
 
-        def loss_fn(ps: Any, tokens: jax.Array) -> jax.Array:
-            logits = model.apply(ps, tokens)
-            targets = jnp.roll(tokens, -1, axis=1)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-        return optax_step(loss_fn, optax.adamw(1e-3)), model
-
-    step, model = make()
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (b, s)), jnp.int32)
-    params = model.init(jax.random.key(0), tokens)
-    state = (params, optax.adamw(1e-3).init(params))
-    return {"name": f"Flax linen decoder {layers}x{d} under nn.scan", "step": step,
-            "hand": {k: make(v)[0] for k, v in POLICIES.items()}, "args": (state, tokens),
-            "constraints": (f"b <= {b}", f"s <= {s}"), "poly": (None, "b, s")}
+    return _linen_case(f"Flax linen decoder {layers}x{d} under nn.scan", make, b, s)
 
 
 def llama_case(b: int, s: int) -> dict[str, Any]:

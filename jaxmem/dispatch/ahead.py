@@ -32,7 +32,6 @@ from jaxmem.errors import BudgetInfeasibleError
 from jaxmem.plan.analysis import Analysis
 from jaxmem.plan.compiles import CompilePlan, CompileProblem, Shape, fit_step_model
 from jaxmem.plan.compiles import plan_compiles as optimal_plan
-from jaxmem.plan.levels import PlanSet
 from jaxmem.plan.offload import costs_for
 from jaxmem.plan.select import select_level
 
@@ -66,11 +65,6 @@ class CompilePool:
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-def level_at(plans: PlanSet, dims: Mapping[str, int], budget_bytes: int | None) -> int | None:
-    """The level the guards select at ``dims`` (predictions only), or None if none fits."""
-    return select_level(plans, dims, budget_bytes).level
-
-
 def compile_problem(analysis: Analysis, calls: Sequence[Mapping[str, int]],
                     pad_dims: Sequence[str], budget_bytes: int | None,
                     compiled: Sequence[Mapping[str, int]], log: CostLog,
@@ -86,7 +80,7 @@ def compile_problem(analysis: Analysis, calls: Sequence[Mapping[str, int]],
     backend = backend or jax.default_backend()
 
     def flops(dims: Mapping[str, int]) -> float | None:
-        k = level_at(plans, dims, budget_bytes)
+        k = select_level(plans, dims, budget_bytes).level  # the guards' choice
         return None if k is None else float(plans.levels[k].flops_fn(dims))
 
     samples = [(f, s) for d, s in list(log.steps) if (f := flops(d)) is not None]
@@ -136,7 +130,7 @@ def plan_compiles(jitted: Any, calls: Sequence[tuple[Any, ...]], pad_dims: Seque
         ValueError: ``pad_dims`` names a dim the function does not have.
     """
     if not calls:
-        return empty_plan()
+        return CompilePlan((), {}, (), 0.0, 0.0, 0.0)
     analysis = jitted.analysis(*calls[0])
     dims = [bind_dims(analysis, split_args(c, jitted.static_argnums)[1]) for c in calls]
     if jitted.costs.writer is None:
@@ -155,8 +149,3 @@ def plan_compiles(jitted: Any, calls: Sequence[tuple[Any, ...]], pad_dims: Seque
     chosen = jitted.scheduler.compile_plan(problem)
     jitted.costs.save()
     return chosen if chosen is not None else optimal_plan(problem)
-
-
-def empty_plan() -> CompilePlan:
-    """The plan of no calls."""
-    return CompilePlan((), {}, (), 0.0, 0.0, 0.0)
