@@ -308,3 +308,50 @@ def test_hopeless_levels_are_not_compiled(state, x):
     peaks = {k: f.compile_level(k, state, x).peak_bytes for k in within}
     best = min(peaks, key=peaks.__getitem__)
     assert f"(level {best}," in str(info.value) and info.value.min_peak_bytes == peaks[best]
+
+
+TOKEN_BUDGET = ("b <= 64", "s <= 512", "s >= 8", "b*s <= 4096")
+
+
+@pytest.fixture(scope="module")
+def token_budget_step():
+    """A one-layer plain-JAX GPT (no named scopes) over a token budget ``b*s <= 4096``."""
+    from bench.programs import concrete, gpt_program
+
+    p = gpt_program(layers=1, d=128, heads=2, vocab=128, max_b=64, max_s=512)
+    f = jaxmem.jit(p.step, polymorphic_shapes=(None, "b, s"), constraints=TOKEN_BUDGET)
+    return p, f, f.plans(p.state, jax.ShapeDtypeStruct((8, 512), jnp.int32)), concrete(p.state, 0)
+
+
+def test_token_budget_regions_get_different_plans(token_budget_step):
+    """The matmul-heavy (64, 64) and attention-heavy (8, 512) ends of ``b*s <= 4096`` rank
+    the residuals differently: under one budget they run different plans, each the
+    fastest predicted to fit there, and each fits by XLA's figure with jax.jit's outputs.
+    (The attention-heavy end's peak is the larger, so at most budgets that split them the
+    matmul-heavy end saves everything.)"""
+    p, f, plans, state = token_budget_step
+    ends = plans.domain.extreme_points()
+    assert [tuple(e.values()) for e in ends] == [(64, 64), (8, 512)]
+    top = max(plans.levels[0].peak_fn(e) for e in ends)
+    differ = [(budget, [plans.choose(e, budget) for e in ends])
+              for budget in (int(top * x / 20) for x in range(8, 20))]
+    differ = [(budget, ks) for budget, ks in differ if len(set(ks)) == 2
+              and all(plans.levels[k].peak_fn(e) <= budget for k, e in zip(ks, ends, strict=True))]
+    assert differ, plans.describe(int(top * 0.7))
+    budget, ks = differ[-1]  # the most room for prediction error
+    for e, k in zip(ends, ks, strict=True):
+        fits = [j for j in plans.order_at(e) if plans.levels[j].peak_fn(e) <= budget]
+        assert fits[0] == k
+    g = f.with_budget(budget)
+    rng = np.random.default_rng(0)
+    chosen = []
+    for e in ends:
+        tokens = jnp.asarray(rng.integers(0, 128, (e["b"], e["s"])), jnp.int32)
+        got, want = g(state, tokens), jax.jit(p.step)(state, tokens)
+        plan = g.plan_for(state, tokens)
+        assert plan.peak_bytes <= budget
+        chosen.append(plan.level)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want),
+                        strict=True):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+    assert chosen[0] != chosen[1], chosen

@@ -30,6 +30,9 @@ class FakeLevel:
 class FakePlans:
     levels: tuple[FakeLevel, ...]
 
+    def order_at(self, dims: dict[str, int]) -> list[int]:
+        return list(range(len(self.levels)))
+
 
 def scripted(real: list[int]) -> tuple[list[tuple[int, int]], object]:
     calls: list[tuple[int, int]] = []
@@ -140,3 +143,28 @@ def test_a_real_plan_records_the_selection_that_chose_it():
     plan = f.plan_for(jnp.ones((4, 8)))
     assert plan.selection is not None and plan.selection.level == plan.level
     assert plan.guard == plan.selection.why and plan.guard in plan.describe()
+
+
+@dataclasses.dataclass(frozen=True)
+class RankedPlans:
+    levels: tuple[FakeLevel, ...]
+    rank: tuple[int, ...]
+
+    def order_at(self, dims: dict[str, int]) -> list[int]:
+        return list(self.rank)
+
+
+@settings(max_examples=200, deadline=None)
+@given(peaks, st.data())
+def test_exact_predictions_choose_the_fastest_fitting_level(predicted, data):
+    """With the levels ranked fastest first at the shape, and predictions XLA agrees with,
+    the choice is the first fitting level of the ranking, compiled once and alone."""
+    rank = tuple(data.draw(st.permutations(range(len(predicted)))))
+    budget = data.draw(st.integers(1, 1000))
+    calls, compile = scripted(predicted)
+    s = select_level(RankedPlans(tuple(map(FakeLevel, predicted)), rank), {}, budget, compile)
+    fitting = [k for k in rank if predicted[k] <= budget]
+    if fitting:
+        assert s.level == fitting[0] and calls == [(fitting[0], 1)]
+    else:
+        assert s.level is None

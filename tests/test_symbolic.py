@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import pytest
 import sympy
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxmem import SymbolicError
@@ -180,3 +180,26 @@ def test_to_sympy_of_plain_ints_and_symbols() -> None:
     assert to_sympy(b * s) == B * S
     assert to_sympy(2 * s + 1) == 2 * S + 1
     assert to_sympy(b * s // 2) == sympy.floor(B * S / 2)
+
+
+def test_extreme_points_follow_a_token_budget() -> None:
+    dom = ShapeDomain.from_constraints(("b", "s"), ("b <= 64", "s <= 512", "b*s <= 4096"))
+    points = dom.extreme_points()
+    assert {tuple(p.values()) for p in points} == {(64, 64), (8, 512)}
+    for p in points:  # inside the domain, and no symbol can grow
+        assert dom.contains(p) is None
+        assert all(dom.contains({**p, n: v + 1}) is not None for n, v in p.items())
+    box = ShapeDomain.from_constraints(("b", "s"), ("b <= 64", "s <= 512"))
+    assert box.extreme_points() == [box.corner()]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 512), st.integers(64, 20000))
+def test_sample_points_satisfy_the_constraints_and_reach_the_edge(b, s, tokens) -> None:
+    dom = ShapeDomain.from_constraints(("b", "s"), (f"b <= {b}", f"s <= {s}",
+                                                    f"b*s <= {tokens}"))
+    points = dom.sample_points()
+    assert points and all(dom.contains(p) is None for p in points)
+    for p in dom.extreme_points():
+        assert p in points
+        assert all(dom.contains({**p, n: v + 1}) is not None for n, v in p.items())

@@ -59,7 +59,7 @@ from jaxmem.plan.levels import PlanSet
 from jaxmem.plan.stored import StaleEntryError, decode_plans, encode_plans
 
 #: Bumped whenever the layout of an entry changes; older entries then never match.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MAGIC = b"jaxmem-analysis\n"
 #: A temporary file this old is what a killed writer left behind (a live write takes
 #: well under a second); the next write in its directory removes it.

@@ -24,6 +24,7 @@ from jaxmem.fastexpr import compile_expr
 from jaxmem.graph import Graph
 from jaxmem.memory import MemoryModel
 from jaxmem.plan.loops import LoopPlan
+from jaxmem.plan.offload import Costs
 from jaxmem.plan.residuals import Residual
 from jaxmem.plan.segments import SegmentPlan
 
@@ -65,6 +66,17 @@ class Level:
     def peak_fn(self) -> Callable[..., Any]:
         """The peak as a fast numeric function of the dims (a name -> value mapping)."""
         return _numeric(self.memory.peak_bytes)
+
+    @functools.cached_property
+    def offload_bytes_fn(self) -> Callable[..., Any]:
+        """:attr:`offload_bytes` as a fast numeric function of the dims."""
+        return _numeric(sympy.sympify(self.offload_bytes))
+
+    def step_s(self, dims: Mapping[str, int], costs: Costs) -> float:
+        """Predicted seconds of one step at ``dims``: its FLOPs (recomputation included)
+        at ``costs``' rate, plus the round trips of what it offloads."""
+        moved = costs.transfer_s(self.offload_bytes_fn(dims)) if self.offloaded else 0.0
+        return costs.recompute_s(self.flops_fn(dims)) + moved
 
     @functools.cached_property
     def flops_fn(self) -> Callable[..., Any]:

@@ -1,15 +1,18 @@
 """Plans: which residual groups to recompute or offload, chosen once per function.
 
 Residual groups are ranked by what they give back per second of extra work at
-the domain's largest corner: bytes freed over the time to re-run their FLOPs or,
+the domain's largest shape: bytes freed over the time to re-run their FLOPs or,
 where offload is planned, to move them to host memory and back, whichever is
 cheaper (:mod:`jaxmem.plan.offload`). Level ``k`` adds the ``k``-th useful group.
+Where a constraint such as ``b*s <= T`` cuts the box, each of the domain's largest
+shapes (``ShapeDomain.extreme_points``) ranks the groups for a chain of its own.
 A group is useful when it lowers the symbolic peak somewhere in the domain
 (decided symbolically, by sampling where the peaks are piecewise); one that
 cannot (its bytes are never at the peak) is skipped, which is the BladeDISC++
 idea of deciding rematerialisation by symbolic memory impact. Each level's peak
 is a sympy expression; its guard is ``peak_k(dims) <= budget``: at a call the
-first level whose guard holds is the fastest plan that fits.
+fastest level there (``PlanSet.order_at``) whose guard holds runs. Levels no budget
+would pick anywhere are dropped (:mod:`jaxmem.plan.frontier`).
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -34,6 +37,7 @@ import sympy
 
 from jaxmem.graph import Graph
 from jaxmem.memory import MemoryModel, memory_model
+from jaxmem.plan.frontier import on_frontier
 from jaxmem.plan.level import Level
 from jaxmem.plan.loops import loop_candidates, with_loop_plan
 from jaxmem.plan.offload import Costs, costs_for
@@ -59,12 +63,21 @@ class PlanSet:
         groups: residual groups in the order levels add them, with their residuals.
         levels: plans; ``levels[0]`` recomputes nothing.
         comparisons: how the ranking and pruning comparisons were decided.
+        costs: the device rates that rank the levels by predicted step time.
     """
 
     domain: ShapeDomain
     groups: tuple[tuple[str, tuple[Residual, ...]], ...]
     levels: tuple[Level, ...]
     comparisons: tuple[tuple[str, int], ...]
+    costs: Costs = costs_for("gpu")
+
+    def order_at(self, dims: Mapping[str, int]) -> list[int]:
+        """Level indices from fastest to slowest at ``dims`` (predicted step seconds; ties
+        in level order), the order in which :func:`~jaxmem.plan.select.select_level`
+        tries them."""
+        seconds = [level.step_s(dims, self.costs) for level in self.levels]
+        return sorted(range(len(self.levels)), key=lambda k: (seconds[k], k))
 
     def __repr__(self) -> str:
         return (f"PlanSet(symbols={self.domain.symbols}, levels={len(self.levels)}, "
@@ -72,28 +85,32 @@ class PlanSet:
 
     def describe(self, budget_bytes: int | None = None) -> str:
         """Each level: what it adds, its symbolic peak (the guard's left side) and its figure
-        at the domain's largest corner; with a budget, at which sampled shapes it is chosen.
+        at the domain's largest shapes (``extreme_points``); with a budget, at which sampled
+        shapes it is chosen.
 
         Example:
             >>> import jax, jax.numpy as jnp, jaxmem
             >>> f = jaxmem.jit(lambda x: jax.grad(lambda x: jnp.tanh(x).sum())(x),
             ...                polymorphic_shapes=("b, 8",), constraints=("b <= 64",))
             >>> print(f.plans(jnp.ones((4, 8))).describe().splitlines()[0])
-            1 level(s) over b in [1, 64]; the first whose guard peak(dims) <= budget runs
+            1 level(s) over b in [1, 64]; the fastest whose guard peak(dims) <= budget runs
         """
         dom = self.domain
         ranges = ", ".join(f"{n} in [{lo}, {'inf' if hi is None else hi}]"
                            for n, lo, hi in zip(dom.symbols, dom.lower, dom.upper, strict=True))
-        corner = dom.corner()
-        at = ", ".join(f"{k}={v}" for k, v in corner.items())
+        anchors = dom.extreme_points()
         points = dom.sample_points()
         chosen = ([select_level(self, p, budget_bytes).level for p in points]
                   if budget_bytes is not None else [])
-        lines = [f"{len(self.levels)} level(s) over {ranges}; the first whose guard "
+        lines = [f"{len(self.levels)} level(s) over {ranges}; the fastest whose guard "
                  "peak(dims) <= budget runs"]
         seen_r: tuple[str, ...] = ()
         seen_o: tuple[str, ...] = ()
         for k, level in enumerate(self.levels):
+            # A level of another chain (or a segment level) does not extend the one before.
+            extends = set(seen_r) <= set(level.recompute) and set(seen_o) <= set(level.offload)
+            if not extends:
+                seen_r, seen_o = (), ()
             added = ([f"recompute {g}" for g in level.recompute if g not in seen_r]
                      + [f"offload {g}" for g in level.offload if g not in seen_o])
             if level.loops is not None:  # loop levels do not extend the level before them
@@ -104,12 +121,13 @@ class PlanSet:
             shown = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3
                                             else "")
             what = ("save every residual" if k == 0 else
-                    shown if level.loops is not None else "+ " + shown)
+                    shown if level.loops is not None or not extends else "+ " + shown)
             expr = str(level.memory.peak_bytes)
             expr = expr if len(expr) <= 120 else expr[:117] + "..."
             lines.append(f"  level {k}: {what}")
             lines.append(f"    peak_bytes = {expr}")
-            lines.append(f"    at {at}: {human_bytes(level.peak_fn(corner))}")
+            lines.extend(f"    at {', '.join(f'{k}={v}' for k, v in p.items())}: "
+                         f"{human_bytes(level.peak_fn(p))}" for p in anchors)
             if chosen:
                 lines.append(f"    chosen at {chosen.count(k)} of {len(points)} sampled shapes")
         if chosen:
@@ -121,7 +139,7 @@ class PlanSet:
         return "\n".join(lines)
 
     def choose(self, dims: Mapping[str, int], budget_bytes: int | None) -> int:
-        """Index of the first level whose predicted peak fits (the lowest-peak one if none).
+        """Index of the fastest level whose predicted peak fits (the lowest-peak one if none).
 
         The predictions-only form of :func:`~jaxmem.plan.select.select_level`.
         """
@@ -132,8 +150,9 @@ class PlanSet:
         return 0 if smallest is None else smallest.level
 
 
-def _corner(dom: ShapeDomain) -> dict[sympy.Symbol, int]:
-    return {sym(n): v for n, v in dom.corner().items()}
+def _plan_key(level: Level) -> tuple[frozenset[int], frozenset[int]]:
+    return (frozenset(r.value for r in level.residuals),
+            frozenset(r.value for r in level.offloaded))
 
 
 def _efficiency(graph: Graph, chosen: list[Residual], group: list[Residual],
@@ -204,24 +223,34 @@ def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
     for r in residuals:
         groups.setdefault(r.group, []).append(r)
     base = memory_model(graph, dom, donated=donated, symbolic=symbolic)
-    search = _Greedy(graph, dom, residuals, base, costs, symbolic=symbolic, donated=donated,
-                     offload=offload)
-    remaining = dict(groups)
-    # Greedy: the group that frees most bytes per second of extra work, given what
-    # is already recomputed or offloaded; kept only if it lowers the symbolic peak
-    # somewhere.
-    while remaining and len(search.levels) <= max_levels:
-        picked = search.pick(remaining)
-        if picked is not None:
-            search.accept(*picked)
-    search.order.extend(sorted(remaining))
+    models: dict[tuple[frozenset[int], frozenset[int]], tuple[Graph, MemoryModel]] = {}
+    # One greedy chain per extreme shape: where b*s <= T binds, the matmul-heavy and the
+    # attention-heavy ends of the domain rank the groups differently.
+    chains = [_Greedy(graph, dom, residuals, base, costs, symbolic=symbolic, donated=donated,
+                      offload=offload, corner={sym(n): v for n, v in anchor.items()},
+                      models=models)
+              for anchor in dom.extreme_points()]
+    for search in chains:
+        remaining = dict(groups)
+        # Greedy: the group that frees most bytes per second of extra work, given what
+        # is already recomputed or offloaded; kept only if it lowers the symbolic peak
+        # somewhere.
+        while remaining and len(search.levels) <= max_levels:
+            picked = search.pick(remaining)
+            if picked is not None:
+                search.accept(*picked)
+        search.order.extend(sorted(remaining))
+    search = chains[0]
     greedy = search.levels[-1]
+    for other in chains[1:]:
+        search.adopt(other.levels[1:], other.tally)
     search.add_segment_levels()
     search.add_loop_levels(greedy)
+    levels = on_frontier(search.levels, dom.sample_points(), costs, search.tally)
     for k, v in base.comparisons:
         search.tally[k] += v
-    return PlanSet(dom, tuple((n, tuple(groups[n])) for n in search.order), tuple(search.levels),
-                   tuple(sorted(search.tally.items())))
+    return PlanSet(dom, tuple((n, tuple(groups[n])) for n in search.order), levels,
+                   tuple(sorted(search.tally.items())), costs)
 
 
 class _Greedy:
@@ -233,8 +262,11 @@ class _Greedy:
 
     def __init__(self, graph: Graph, dom: ShapeDomain, residuals: Sequence[Residual],
                  base: MemoryModel, costs: Costs, *, symbolic: bool, donated: tuple[int, ...],
-                 offload: bool) -> None:
+                 offload: bool, corner: dict[sympy.Symbol, int],
+                 models: dict[tuple[frozenset[int], frozenset[int]], tuple[Graph, MemoryModel]]
+                 ) -> None:
         self.graph, self.dom, self.residuals, self.costs = graph, dom, residuals, costs
+        self.models = models  # shared by the chains: one memory model per plan
         self.symbolic, self.donated, self.offload = symbolic, donated, offload
         self.tally: collections.Counter[str] = collections.Counter()
         self.levels = [Level((), (), graph, base)]
@@ -246,7 +278,7 @@ class _Greedy:
         # Groups too small for a level of their own join the next level that is kept.
         self.small: list[Residual] = []
         self.small_names: list[str] = []
-        self.corner = _corner(dom)
+        self.corner = corner
         self.min_bytes = _MIN_GROUP_FRACTION * self.levels[0].peak_fn(
             {str(k): v for k, v in self.corner.items()})
 
@@ -280,8 +312,12 @@ class _Greedy:
         """Adds a level with ``group`` (and the small groups waiting) if it lowers the peak."""
         trial = self.chosen + self.small + (list(group) if how == "recompute" else [])
         trial_moved = self.moved + (tuple(group) if how == "offload" else ())
-        g2 = apply_remat(self.graph, trial, trial_moved, self.residuals)
-        m = memory_model(g2, self.dom, donated=self.donated, symbolic=self.symbolic)
+        key = (frozenset(r.value for r in trial), frozenset(r.value for r in trial_moved))
+        if key not in self.models:
+            g2 = apply_remat(self.graph, trial, trial_moved, self.residuals)
+            self.models[key] = g2, memory_model(g2, self.dom, donated=self.donated,
+                                                symbolic=self.symbolic)
+        g2, m = self.models[key]
         if not lowers_somewhere(m.peak_bytes, self.levels[-1].memory.peak_bytes, self.dom,
                                 self.symbolic, self.tally):
             return  # never lowers the peak: it would only cost time
@@ -292,6 +328,12 @@ class _Greedy:
         flops = sympy.Add(*[r.recompute_flops for r in self.chosen])
         self.levels.append(Level(tuple(self.names), tuple(self.chosen), g2, m, flops,
                                  self.moved_names, self.moved))
+
+    def adopt(self, levels: Sequence[Level], tally: collections.Counter[str]) -> None:
+        """Takes another chain's levels (those not already held) and its decision counts."""
+        held = {_plan_key(lv) for lv in self.levels}
+        self.levels.extend(lv for lv in levels if _plan_key(lv) not in held)
+        self.tally.update(tally)
 
     def add_segment_levels(self) -> None:
         """Appends the segment plans that are the fastest fitting plan for some budget

@@ -1,10 +1,11 @@
 """Which level runs at a shape: one pure function over the plan set, the dims and the budget.
 
-The levels are ordered from fastest (save every residual) to smallest.
-:func:`select_level` starts at the first level whose guard ``peak(dims) <=
+At each shape the plan set ranks its levels by predicted step time there
+(``order_at``: fastest first; level 0 saves every residual and is the fastest).
+:func:`select_level` starts at the fastest level whose guard ``peak(dims) <=
 budget`` holds and asks ``compile`` — XLA, in ``jaxmem.jit`` — for each
-candidate's real peak: upwards while XLA says it does not fit, then downwards
-(the guard may have skipped a cheaper level that XLA would fit). Once one level
+candidate's real peak: on down the ranking while XLA says it does not fit, then
+back up it (the guard may have skipped a faster level that XLA would fit). Once one level
 has been compiled, levels predicted above ``HOPELESS_FACTOR`` times the budget
 are not compiled. If nothing fits, the levels predicted within that factor of
 the smallest XLA peak are compiled too, so that the error names the truly
@@ -41,10 +42,13 @@ class _Level(Protocol):
 
 
 class PlanLike(Protocol):
-    """What selection reads of a :class:`~jaxmem.plan.levels.PlanSet`: its levels' peaks."""
+    """What selection reads of a :class:`~jaxmem.plan.levels.PlanSet`: its levels' peaks
+    and their ranking by predicted step time at a shape."""
 
     @property
     def levels(self) -> Sequence[_Level]: ...
+
+    def order_at(self, dims: Mapping[str, int]) -> Sequence[int]: ...
 
 
 #: ``compile(level, microbatches)`` returns XLA's peak bytes of that executable.
@@ -133,23 +137,21 @@ def select_level(plans: PlanLike, dims: Mapping[str, int], budget_bytes: int | N
         return Selection(0, 1, (Attempt(0, predicted[0], peak, "fits"),),
                          "no budget given: level 0 (save every residual) runs", None)
     budget = budget_bytes if budget_bytes is not None else max(predicted) + 1
-    fitting = [k for k, p in enumerate(predicted) if p <= budget and k not in skip]
-    start = fitting[0] if fitting else min(
-        (k for k in range(len(predicted)) if k not in skip), key=predicted.__getitem__,
-        default=0)
-    attempts: list[Attempt] = []
+    rank = [k for k in plans.order_at(dims) if k not in skip] or [0]
+    fitting = [k for k in rank if predicted[k] <= budget]
+    start = fitting[0] if fitting else min(rank, key=predicted.__getitem__)
+    at = rank.index(start)
+    attempts: list[Attempt] = [Attempt(k, predicted[k], None, "skipped: excluded")
+                               for k in sorted(skip) if k < len(predicted)]
     if compile is None:
-        for k in range(start + 1):
+        for k in rank[:at + 1]:
             fits = k == start and k in fitting
             attempts.append(Attempt(k, predicted[k], None, "predicted to fit" if fits
                                     else "predicted over budget"))
         chosen = start if start in fitting else None
-        return Selection(chosen, 1, tuple(attempts), _why(chosen, start, attempts, budget), budget)
-    order = list(range(start, len(predicted))) + list(range(start - 1, -1, -1))
-    for k in order:
-        if k in skip:
-            attempts.append(Attempt(k, predicted[k], None, "skipped: excluded"))
-            continue
+        return Selection(chosen, 1, tuple(attempts), _why(chosen, start, attempts, budget, rank),
+                         budget)
+    for k in rank[at:] + rank[:at][::-1]:
         if any(a.peak_bytes is not None for a in attempts) and (
                 predicted[k] > budget * HOPELESS_FACTOR):
             attempts.append(Attempt(k, predicted[k], None,
@@ -159,10 +161,11 @@ def select_level(plans: PlanLike, dims: Mapping[str, int], budget_bytes: int | N
         fits = peak <= budget
         attempts.append(Attempt(k, predicted[k], peak, "fits" if fits else "over budget"))
         if fits:
-            return Selection(k, 1, tuple(attempts), _why(k, start, attempts, budget), budget)
+            return Selection(k, 1, tuple(attempts), _why(k, start, attempts, budget, rank),
+                             budget)
     if (k := _refine_smallest(predicted, attempts, budget, compile)) is not None:
-        return Selection(k, 1, tuple(attempts), _why(k, start, attempts, budget), budget)
-    return _microbatched(plans, predicted, attempts, budget, start, compile, microbatches)
+        return Selection(k, 1, tuple(attempts), _why(k, start, attempts, budget, rank), budget)
+    return _microbatched(plans, predicted, attempts, budget, start, compile, microbatches, rank)
 
 
 def _refine_smallest(predicted: list[int], attempts: list[Attempt], budget: int,
@@ -189,8 +192,8 @@ def _refine_smallest(predicted: list[int], attempts: list[Attempt], budget: int,
 
 
 def _microbatched(plans: PlanLike, predicted: list[int], attempts: list[Attempt], budget: int,
-                  start: int, compile: CompileFn, microbatches: MicrobatchFn | None
-                  ) -> Selection:
+                  start: int, compile: CompileFn, microbatches: MicrobatchFn | None,
+                  rank: list[int]) -> Selection:
     """The scheduler's microbatch count k > 1 at the smallest plan, if one fits."""
     best = _smallest(attempts)
     if best is not None and microbatches is not None:
@@ -211,24 +214,25 @@ def _microbatched(plans: PlanLike, predicted: list[int], attempts: list[Attempt]
                    f"{best.level} split into {k} microbatches does; tried "
                    + "; ".join(str(a) for a in attempts))
             return Selection(best.level, k, tuple(attempts), why, budget)
-    return Selection(None, 1, tuple(attempts), _why(None, start, attempts, budget), budget)
+    return Selection(None, 1, tuple(attempts), _why(None, start, attempts, budget, rank), budget)
 
 
-def _why(chosen: int | None, start: int, attempts: list[Attempt], budget: int) -> str:
+def _why(chosen: int | None, start: int, attempts: list[Attempt], budget: int,
+         rank: list[int]) -> str:
     tried = "; ".join(str(a) for a in attempts)
     if chosen is None:
         return f"no level fits the budget {human_bytes(budget)}: {tried}"
     if chosen == start and attempts[-1].predicted_peak_bytes <= budget:
-        head = (f"level {chosen} is the first whose predicted peak fits the budget "
+        head = (f"level {chosen} is the fastest here whose predicted peak fits the budget "
                 f"{human_bytes(budget)}")
-        head += " (every faster level is predicted above it)" if chosen > 0 else ""
+        head += " (every faster level is predicted above it)" if rank[0] != chosen else ""
     elif chosen == start:
         head = (f"no level is predicted to fit the budget {human_bytes(budget)}; level "
                 f"{chosen}, predicted smallest, fits by XLA's figure")
-    elif chosen > start:
+    elif rank.index(chosen) > rank.index(start):
         head = (f"level {start} was predicted to fit but XLA measured it over the budget "
-                f"{human_bytes(budget)}; level {chosen} is the next one that fits")
+                f"{human_bytes(budget)}; level {chosen} is the next fastest that fits")
     else:
         head = (f"no level from {start} on fits the budget {human_bytes(budget)} by XLA's "
-                f"figure; level {chosen}, which the guard had passed over, does")
+                f"figure; level {chosen}, faster, which the guard had passed over, does")
     return f"{head}; {tried}"

@@ -37,6 +37,7 @@ from jaxmem.memory import Buffer, MemoryModel
 from jaxmem.plan.analysis import Orders
 from jaxmem.plan.levels import Level, PlanSet
 from jaxmem.plan.loops import LoopPlan, with_loop_plan
+from jaxmem.plan.offload import Costs
 from jaxmem.plan.remat import apply_remat
 from jaxmem.plan.residuals import Residual, find_residuals
 from jaxmem.plan.scan_pairs import find_scan_pairs
@@ -60,6 +61,7 @@ def encode_plans(plans: PlanSet, orders: Orders, graph: Graph) -> dict[str, Any]
             "groups": [[name, [r.value for r in rs]] for name, rs in plans.groups],
             "levels": [_encode_level(level, table) for level in plans.levels],
             "comparisons": [[k, v] for k, v in plans.comparisons],
+            "costs": [plans.costs.flops_per_s, plans.costs.host_bytes_per_s],
             "orders": [None if o is None else list(o) for o in orders],
             "exprs": table.rows}
     try:
@@ -139,7 +141,8 @@ def _decode(data: dict[str, Any], graph: Graph, domain: ShapeDomain) -> tuple[Pl
     orders = tuple(validate_order(level.graph, order)
                    for level, order in zip(levels, data["orders"], strict=True))
     comparisons = tuple((str(k), int(v)) for k, v in data["comparisons"])
-    return PlanSet(domain, groups, levels, comparisons), orders
+    costs = Costs(*(float(x) for x in data["costs"]))
+    return PlanSet(domain, groups, levels, comparisons, costs), orders
 
 
 def _decode_level(d: dict[str, Any], graph: Graph, residuals: tuple[Residual, ...],

@@ -183,29 +183,93 @@ class ShapeDomain:
         return tuple(sympy.lambdify(args, c.expr, modules=["math"]) for c in self.constraints)
 
     def sample_points(self, n: int = 48, seed: int = 0) -> list[dict[str, int]]:
-        """Corners of the box plus random points that satisfy the constraints.
+        """Corners of the box, points on the constraints' boundary, and random points.
 
         Args:
-            n: how many random points to keep at most (the corners come on top).
+            n: how many random points to keep at most (the corners and boundary
+                points come on top).
             seed: seed of the random points.
 
         Returns:
             The corners between :meth:`smallest_corner` and :meth:`corner` that
-            satisfy the general constraints, then log-uniform random points
-            that do.
+            satisfy the general constraints, then (with general constraints) the
+            largest shapes along them (:meth:`extreme_points` and points between),
+            then log-uniform random points that satisfy them.
         """
         rng = random.Random(seed)
         low, high = self.smallest_corner(), self.corner()
-        cands = [dict(zip(self.symbols, c, strict=True))
-                 for c in itertools.product(*[sorted({low[s], high[s]}) for s in self.symbols])]
-        for _ in range(n * 4):
-            cands.append({s: _log_uniform(rng, low[s], high[s]) for s in self.symbols})
-        pts = [p for p in cands if self._satisfies(p)]
-        return pts[: n + 2 ** len(self.symbols)]
+        corners = [dict(zip(self.symbols, c, strict=True))
+                   for c in itertools.product(*[sorted({low[s], high[s]}) for s in self.symbols])]
+        corners = [p for p in corners if self._satisfies(p)]
+        edge = [p for p in self._boundary_points() if p not in corners]
+        cands = [{s: _log_uniform(rng, low[s], high[s]) for s in self.symbols}
+                 for _ in range(n * 4)]
+        return corners + edge + [p for p in cands if self._satisfies(p)][:n]
+
+    def extreme_points(self) -> list[dict[str, int]]:
+        """The domain's largest shapes: where each stage ranks what it cannot rank everywhere.
+
+        The box's :meth:`corner` when it satisfies the general constraints; else, for
+        each symbol in turn, the shape with that symbol as large as the constraints
+        allow, then the others in declaration order. With ``b*s <= 4096``, ``b <= 64``
+        and ``s <= 512`` these are the matmul-heavy ``(64, 64)`` and the
+        attention-heavy ``(8, 512)``.
+
+        Example:
+            >>> dom = ShapeDomain.from_constraints(
+            ...     ("b", "s"), ("b <= 64", "s <= 512", "b*s <= 4096"))
+            >>> dom.extreme_points()
+            [{'b': 64, 's': 64}, {'b': 8, 's': 512}]
+        """
+        corner = self.corner()
+        if self._satisfies(corner) or not self._satisfies(self.smallest_corner()):
+            return [corner]
+        points: list[dict[str, int]] = []
+        for first in self.symbols:
+            p = self._grow(self.smallest_corner(), [first] + [n for n in self.symbols
+                                                              if n != first])
+            if p not in points:
+                points.append(p)
+        return points
+
+    def _boundary_points(self, n: int = 8) -> list[dict[str, int]]:
+        """Points on the general constraints' boundary: the first symbol log-spaced over
+        its range, the others as large as the constraints then allow."""
+        if not self.constraints or not self._satisfies(self.smallest_corner()):
+            return []
+        first, lo, hi = self.symbols[0], self.lower[0], self.corner()[self.symbols[0]]
+        values = sorted({_log_spaced(lo, hi, i, n) for i in range(n + 1)})
+        points = list(self.extreme_points())
+        for v in values:
+            p = self._grow({**self.smallest_corner(), first: v}, list(self.symbols[1:]))
+            if self._satisfies(p) and p not in points:
+                points.append(p)
+        return points
+
+    def _grow(self, point: dict[str, int], order: list[str]) -> dict[str, int]:
+        """Raises each symbol of ``order`` in turn as far as the constraints allow (a
+        binary search: the point stays inside the domain, if not always at its edge
+        when a constraint is not monotone)."""
+        p = dict(point)
+        high = self.corner()
+        for name in order:
+            lo, hi = p[name], high[name]
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self._satisfies({**p, name: mid}):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            p[name] = lo
+        return p
 
     def _satisfies(self, p: Mapping[str, int]) -> bool:
-        subs = {sym(k): v for k, v in p.items()}
-        return all(c.expr.subs(subs) >= 0 for c in self.constraints)
+        values = [p[n] for n in self.symbols]
+        return all(check(*values) >= 0 for check in self._checks)
+
+
+def _log_spaced(lo: int, hi: int, i: int, n: int) -> int:
+    return int(round(math.exp(math.log(lo) + (math.log(hi) - math.log(lo)) * i / n)))
 
 
 def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
