@@ -334,6 +334,7 @@ def test_max_tokens_run_varies_b_and_s_and_matches_xla(two_length_file, max_toke
         assert all(int(b) * int(s) <= tokens for b, s in
                    (k.split("x") for k in run["peak_bytes_by_shape"]))
     np.testing.assert_allclose(jm["losses"], xla["losses"], rtol=1e-5)
+    assert f"token budget: b*s <= {tokens}; b {spread['b_min']}..4" in memory_report(jm)
 
 
 @pytest.mark.slow

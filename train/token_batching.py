@@ -31,6 +31,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from train.batching import bucket_length, round_up
@@ -155,7 +157,7 @@ class TokenBudgetBatcher:
                 "tokens_max": max(b * s for b, s in shapes), "distinct_shapes": len(set(shapes))}
 
 
-def shape_spread(batcher: object, steps: int,
+def shape_spread(batcher: Any, steps: int,
                  run_lengths: dict[str, int] | None = None) -> dict[str, int | None]:
     """The spread of the batch shapes steps ``0 .. steps - 1`` ran at.
 
