@@ -280,3 +280,73 @@ def test_cache_dir_reuses_executables_across_runs(data_file, tmp_path, scheduler
         assert (cold["analyses_loaded"], warm["analyses_loaded"]) == (0, 1)
         assert warm["analysis_s"] < cold["analysis_s"]
         assert len(list((cache / "jaxmem").glob("analysis-*"))) == 1
+
+
+@pytest.fixture(scope="module")
+def two_length_file(tmp_path_factory) -> Path:
+    """12 short and 4 long arithmetic records (two lengths): token budgets vary both b and s."""
+    rng = np.random.default_rng(1)
+    lines = []
+    for k, (a, b) in enumerate(rng.integers(100, 999, (16, 2))):
+        extra = {"input": "Show the sum of the two numbers, then stop."} if k % 4 == 0 else {}
+        lines.append(json.dumps({"instruction": f"Add {a} and {b}.", "input": "",
+                                 "output": f"{a} + {b} = {a + b:04d}"} | extra))
+    path = tmp_path_factory.mktemp("data2") / "add2.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _max_tokens_args(data: Path) -> tuple[list[str], list[int]]:
+    """CLI arguments of a 5-step --max-tokens run on ``data`` and its two lengths."""
+    from train.data import load_dataset
+    from train.tokenizer import load_tokenizer
+
+    lengths = sorted(set(load_dataset(str(data), load_tokenizer(None), 768).lengths.tolist()))
+    assert len(lengths) == 2
+    tokens = 4 * lengths[0]  # 4 short rows a batch; fewer long ones
+    return [*_args(data, "--steps", "5", "--batch-size", "8"), "--max-tokens", str(tokens)], \
+        lengths
+
+
+@pytest.fixture(scope="module")
+def max_tokens_runs(two_length_file, tmp_path_factory) -> tuple[dict, dict]:
+    """The same --max-tokens run under jaxmem and under xla."""
+    tmp = tmp_path_factory.mktemp("max_tokens")
+    args, _ = _max_tokens_args(two_length_file)
+    code, jm = _run([*args, "--scheduler", "jaxmem"], tmp / "jaxmem.json")
+    assert code == 0
+    code, xla = _run(args, tmp / "xla.json")
+    assert code == 0
+    return jm, xla
+
+
+def test_max_tokens_run_varies_b_and_s_and_matches_xla(two_length_file, max_tokens_runs) -> None:
+    """--max-tokens: every step's b*s <= T; jaxmem's losses are XLA's on the same batches."""
+    _, lengths = _max_tokens_args(two_length_file)
+    tokens = 4 * lengths[0]
+    jm, xla = max_tokens_runs
+    assert jm["max_tokens"] == xla["max_tokens"] == tokens and jm["steps"] == 5
+    spread = jm["batch_shapes"]
+    assert (spread["b_max"], spread["s_min"]) == (4, lengths[0])
+    assert spread["b_min"] < 4 and spread["s_max"] == lengths[1]
+    assert spread["tokens_max"] <= tokens and xla["batch_shapes"] == spread
+    for run in (jm, xla):
+        assert all(int(b) * int(s) <= tokens for b, s in
+                   (k.split("x") for k in run["peak_bytes_by_shape"]))
+    np.testing.assert_allclose(jm["losses"], xla["losses"], rtol=1e-5)
+    assert f"token budget: b*s <= {tokens}; b {spread['b_min']}..4" in memory_report(jm)
+
+
+@pytest.mark.slow
+def test_max_tokens_resume_is_exact(two_length_file, max_tokens_runs, tmp_path) -> None:
+    """2 steps, stop, resume to 5 == 5 steps straight; another --max-tokens is refused."""
+    args, _ = _max_tokens_args(two_length_file)
+    ckpt = str(tmp_path / "ckpt")
+    code, first = _run([*args, "--ckpt-dir", ckpt, "--stop-after-steps", "2"],
+                       tmp_path / "a.json")
+    assert code == 0 and first["steps"] == 2
+    code, resumed = _run([*args, "--ckpt-dir", ckpt], tmp_path / "b.json")
+    assert code == 0 and resumed["resumed_from_step"] == 2
+    assert resumed["losses"] == max_tokens_runs[1]["losses"]
+    assert resumed["batch_shapes"] == max_tokens_runs[1]["batch_shapes"]
+    assert main([*args[:-1], str(int(args[-1]) + 8), "--ckpt-dir", ckpt]) == 2

@@ -116,6 +116,7 @@ class TrainConfig:
     compile_plan: str = "cost"
     remat: bool = False
     pad_buckets: bool = False
+    max_tokens: int | None = None
     cache_dir: str | None = None
     progress: bool = True
 
@@ -129,7 +130,7 @@ class TrainConfig:
         keys = ("model", "steps", "batch_size", "max_len", "lr", "warmup_steps",
                 "min_lr_ratio", "weight_decay", "clip_norm", "seed", "dtype", "param_dtype",
                 "init_from", "max_records", "window_batches", "pad_multiple", "pad_buckets",
-                "packing")
+                "packing", "max_tokens")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -150,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="Alpaca-style JSON array or JSONL file (default: built-in stdlib data)")
     arg("--ckpt-dir", default=None, help="orbax checkpoint directory; resumes from its latest")
     arg("--out", default=None, help="write the JSON summary here")
-    arg("--batch-size", type=int, default=8)
+    arg("--batch-size", type=int, default=None,
+        help="rows per batch (default 8); with --max-tokens the most rows (default 64)")
     arg("--max-len", type=int, default=None,
         help="drop longer records (default: the preset's max_seq_len; 768 for tiny)")
     arg("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -171,6 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--pad-buckets", action="store_true",
         help="round each batch's length up to a power of two (at most --max-len): "
              "bucketing, one executable per bucket")
+    arg("--max-tokens", type=int, default=None, metavar="T",
+        help="token-budget batching (fairseq's max_tokens): length-sorted batches of b "
+             "rows padded to s with b*s <= T and b <= --batch-size, so b and s both vary "
+             "(jaxmem plans over b <= B, s <= --max-len, b*s <= T). T counts padded "
+             "positions: with --pad-multiple/--pad-buckets (or pad-max, --pad-multiple "
+             "LONGEST) rows are formed under the budget at the padded length; b is never "
+             "padded. --window-batches is unused (one window: the whole data set). Not "
+             "with --packing or --mesh")
     arg("--remat", action="store_true",
         help="run every layer under nnx.remat(nothing_saveable): per-layer full "
              "rematerialisation, as a user does when the plain step does not fit")
@@ -199,6 +209,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_max_tokens(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """Exit with a usage error where ``--max-tokens`` or ``--batch-size`` is unusable."""
+    if ns.batch_size is not None and ns.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {ns.batch_size}")
+    if ns.max_tokens is None:
+        return
+    if ns.max_tokens < 1:
+        parser.error(f"--max-tokens must be >= 1, got {ns.max_tokens}")
+    for flag in ("packing", "mesh"):  # packing: rows of --max-len; mesh: b must divide
+        if getattr(ns, flag):
+            parser.error(f"--max-tokens cannot be combined with --{flag}")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     """Parse ``argv`` into a :class:`TrainConfig`; bad values exit with a usage error.
 
@@ -213,15 +236,17 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         mesh = parse_mesh(ns.mesh) if ns.mesh else None
     except ValueError as e:
         parser.error(str(e))
-    for flag in ("steps", "batch_size", "ckpt_every", "window_batches", "pad_multiple",
+    for flag in ("steps", "ckpt_every", "window_batches", "pad_multiple",
                  "compile_ahead"):
         if getattr(ns, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     if ns.compile_workers < 0:
         parser.error("--compile-workers must be >= 0")
+    check_max_tokens(parser, ns)
     return TrainConfig(
         model=ns.model, steps=ns.steps, scheduler=ns.scheduler, budget_bytes=budget,
-        data=ns.data, ckpt_dir=ns.ckpt_dir, out=ns.out, batch_size=ns.batch_size,
+        data=ns.data, ckpt_dir=ns.ckpt_dir, out=ns.out, max_tokens=ns.max_tokens,
+        batch_size=ns.batch_size or (8 if ns.max_tokens is None else 64),
         max_len=ns.max_len or CONFIGS[ns.model].max_seq_len, lr=ns.lr,
         warmup_steps=ns.warmup_steps if ns.warmup_steps is not None else max(1, ns.steps // 10),
         min_lr_ratio=ns.min_lr_ratio, weight_decay=ns.weight_decay, clip_norm=ns.clip_norm,

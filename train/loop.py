@@ -40,6 +40,7 @@ from train.packing import PackedBatcher, collate_packed
 from train.runner import make_runner
 from train.sharding import batch_sharding, make_mesh, state_shardings
 from train.step import init_state, make_optimizer, make_train_step
+from train.token_batching import TokenBudgetBatcher, shape_spread
 from train.tokenizer import Tokenizer, load_tokenizer
 
 EXIT_OK, EXIT_NONFINITE = 0, 3
@@ -101,7 +102,7 @@ class Setup:
 
     tokenizer: Tokenizer
     dataset: Dataset
-    batcher: LengthGroupedBatcher | PackedBatcher
+    batcher: LengthGroupedBatcher | PackedBatcher | TokenBudgetBatcher
     config: LlamaConfig
     tx: Any
     schedule: Any
@@ -115,11 +116,13 @@ def build(cfg: TrainConfig) -> Setup:
     """Load data and tokenizer, plan batches, and describe model, optimizer and layout."""
     tokenizer = load_tokenizer(cfg.tokenizer)
     dataset = load_dataset(cfg.data, tokenizer, cfg.max_len, cfg.max_records)
+    bucket_cap = cfg.max_len if cfg.pad_buckets else None
     batcher = (PackedBatcher(dataset.lengths, cfg.batch_size, cfg.max_len, cfg.seed,
                              cfg.window_batches) if cfg.packing else
+               TokenBudgetBatcher(dataset.lengths, cfg.max_tokens, cfg.batch_size, cfg.seed,
+                                  cfg.pad_multiple, bucket_cap) if cfg.max_tokens else
                LengthGroupedBatcher(dataset.lengths, cfg.batch_size, cfg.seed,
-                                    cfg.window_batches, cfg.pad_multiple,
-                                    cfg.max_len if cfg.pad_buckets else None))
+                                    cfg.window_batches, cfg.pad_multiple, bucket_cap))
     config = model_config(cfg, tokenizer)
     tx, schedule = make_optimizer(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio,
                                   cfg.weight_decay, cfg.clip_norm)
@@ -171,12 +174,12 @@ def announce(cfg: TrainConfig, batcher: Any, runner: Any, run_lengths: dict[str,
     ``run_lengths`` (saved with checkpoints, so a resumed run pads as the first did).
     """
     new = [k for k in steps if str(k) not in run_lengths]
-    shapes = [(cfg.batch_size, batcher.padded_length(batcher.batch_indices(k))) for k in new]
+    shapes = [batcher.batch_shape(batcher.batch_indices(k)) for k in new]
     for k, shape in zip(new, runner.plan_shapes(shapes) if new else [], strict=True):
         if shape is not None:  # None: the runner decides it at a later announcement
-            run_lengths[str(k)] = shape[1]
-    runner.compile_ahead((cfg.batch_size, run_lengths[str(k)]) for k in steps
-                         if str(k) in run_lengths)
+            run_lengths[str(k)] = shape[1]  # only s is padded: b is the batch's own
+    runner.compile_ahead((batcher.batch_shape(batcher.batch_indices(k))[0], run_lengths[str(k)])
+                         for k in steps if str(k) in run_lengths)
 
 
 def train_loop(
@@ -229,7 +232,7 @@ def train_loop(
             shape = tuple(host["tokens"].shape)
             result.used_shapes.add(shape)
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", s=shape[1],
+            bar.set_postfix(loss=f"{loss:.3f}", shape=f"{shape[0]}x{shape[1]}",
                             tok_s=f"{result.real_tokens / (time.perf_counter() - start):.0f}",
                             peak=f"{runner.peaks[shape] / 2**20:.0f}MiB")
             if ckpt and result.step % cfg.ckpt_every == 0:
@@ -275,7 +278,7 @@ def _run(cfg: TrainConfig) -> tuple[dict[str, Any], int]:
         batch_sharding=setup.batch_sharding, mesh=setup.mesh is not None,
         batch_size=cfg.batch_size, max_len=cfg.max_len, budget_bytes=cfg.budget_bytes,
         compile_workers=cfg.compile_workers, packed=cfg.packing, compile_plan=cfg.compile_plan,
-        remat=cfg.remat,
+        remat=cfg.remat, max_tokens=cfg.max_tokens,
     )
     meta = {"trajectory": json.loads(json.dumps(cfg.trajectory_key())),
             "data_fingerprint": setup.dataset.fingerprint(), "losses": [], "run_lengths": {},
@@ -349,6 +352,8 @@ def make_summary(
         "steps_this_run": step - (resumed_from or 0),
         "resumed_from_step": resumed_from,
         "batch_size": cfg.batch_size,
+        "max_tokens": cfg.max_tokens,  # token-budget batching: b*s <= max_tokens
+        "batch_shapes": shape_spread(setup.batcher, step, meta.get("run_lengths")),
         "max_len": cfg.max_len,
         "longest_sequence": int(lengths.max()),
         "real_tokens_this_run": result.real_tokens,

@@ -25,6 +25,19 @@ def fmt_bytes(n: float | None) -> str:
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def token_budget_line(max_tokens: int, spread: dict[str, int | None]) -> str:
+    """The report's line on ``--max-tokens`` batches: the spread of the shapes run.
+
+    Example:
+        >>> token_budget_line(640, {"b_min": 4, "b_max": 7, "s_min": 80, "s_max": 156,
+        ...                         "tokens_max": 624, "distinct_shapes": 4})
+        'token budget: b*s <= 640; b 4..7, s 80..156, largest b*s 624 (4 distinct shapes)'
+    """
+    return (f"token budget: b*s <= {max_tokens}; b {spread['b_min']}..{spread['b_max']}, "
+            f"s {spread['s_min']}..{spread['s_max']}, largest b*s {spread['tokens_max']} "
+            f"({spread['distinct_shapes']} distinct shapes)")
+
+
 def memory_report(summary: dict[str, Any]) -> str:
     """A short report: peak memory per shape against the budget, padding, data, loss."""
     lines = [f"memory report ({summary['scheduler']}; per device; "
@@ -63,6 +76,8 @@ def memory_report(summary: dict[str, Any]) -> str:
             f"({summary['distinct_shapes']} distinct shapes); padding every batch to the data "
             f"set's longest sequence ({summary['longest_sequence']}) would waste "
             f"{100 * summary['pad_fraction_pad_to_longest']:.1f} %")
+    if summary.get("max_tokens"):
+        lines.append(token_budget_line(summary["max_tokens"], summary["batch_shapes"]))
     data = summary.get("data")
     if data:
         lines.append(

@@ -185,6 +185,9 @@ class JaxmemRunner:
         compile_plan: ``"cost"``: :meth:`plan_shapes` lets ``Jitted.plan_compiles`` choose
             the shapes to compile, padding the sequence dim ``s`` (exact here: padded
             positions are loss-masked and the model is causal); ``"exact"``: none padded.
+        max_tokens: token-budget batching (``--max-tokens``): also ``b*s <= max_tokens``.
+            The batch dim is never padded; ``s`` is padded only to another announced or
+            compiled shape of the same ``b``, which is within the budget too.
 
     Raises:
         JaxmemUnavailableError: the installed jaxmem has no ``jit`` yet.
@@ -196,7 +199,7 @@ class JaxmemRunner:
         self, train_step: Callable[..., Any], batch_size: int, max_len: int,
         budget_bytes: int | None, state_spec: Any = None, batch_sharding: Any = None,
         mesh_shardings: bool = False, compile_workers: int = 0, packed: bool = False,
-        compile_plan: str = "cost",
+        compile_plan: str = "cost", max_tokens: int | None = None,
     ) -> None:
         try:
             import jaxmem
@@ -215,7 +218,8 @@ class JaxmemRunner:
         self.step = jit(
             train_step,
             polymorphic_shapes=(None, "b, s"),
-            constraints=(f"b <= {batch_size}", f"s <= {max_len}"),
+            constraints=(f"b <= {batch_size}", f"s <= {max_len}",
+                         *([f"b*s <= {max_tokens}"] if max_tokens else [])),
             budget_bytes=budget_bytes,
             donate_argnums=(0,),
             **kwargs,
@@ -279,18 +283,19 @@ class JaxmemRunner:
         With ``compile_plan="cost"`` (and a state spec, unpacked rows), the shapes go to
         ``Jitted.plan_compiles`` with ``s`` paddable; otherwise each runs as it is.
         Before any step has been timed (here or by an earlier run with the same cache),
-        only the first batch is decided: it runs at the largest announced shape, which
-        every plan compiles, so that its time calibrates the plan of the rest (None:
-        not decided yet, announce it again).
+        only the first batch is decided: it runs at the longest announced shape of its
+        own ``b`` (all shapes share ``b`` unless ``--max-tokens``), which every plan
+        compiles, so that its time calibrates the plan of the rest (None: not decided
+        yet, announce it again).
         """
         if (self.compile_plan != "cost" or self.state_spec is None or self.packed
                 or not shapes):
             return list(shapes)
-        first = not self.compile_plans
-        if first:  # read what earlier runs measured before judging calibration
-            self._plan([max(shapes, key=lambda x: x[1])])
+        longest = max((x for x in shapes if x[0] == shapes[0][0]), key=lambda x: x[1])
+        if not self.compile_plans:  # read what earlier runs measured before judging
+            self._plan([longest])
         if not self.step.costs.steps:
-            return [max(shapes, key=lambda x: x[1])] + [None] * (len(shapes) - 1)
+            return [longest] + [None] * (len(shapes) - 1)
         plan = self._plan(shapes)
         out: list[Shape | None] = []
         for b, s in shapes:
@@ -352,7 +357,7 @@ def make_runner(
     scheduler: str, train_step: Callable[..., Any], *, state_spec: Any, batch_sharding: Any,
     mesh: bool, batch_size: int, max_len: int, budget_bytes: int | None,
     compile_workers: int = 0, packed: bool = False, compile_plan: str = "cost",
-    remat: bool = False,
+    remat: bool = False, max_tokens: int | None = None,
 ) -> XlaRunner | JaxmemRunner:
     """The runner for ``--scheduler`` (``"xla"`` or ``"jaxmem"``).
 
@@ -367,11 +372,13 @@ def make_runner(
         packed: batches hold packed rows (``segment_ids`` and ``positions`` too).
         compile_plan: jaxmem's ``compile_plan`` (``"cost"`` or ``"exact"``).
         remat: the model rematerialises its layers (``--remat``; the xla runner).
+        max_tokens: ``--max-tokens`` (jaxmem's constraint ``b*s <= max_tokens``).
     """
     if scheduler == "xla":
         return XlaRunner(train_step, state_spec, batch_sharding, mesh, compile_workers, packed,
                          remat)
     if scheduler == "jaxmem":
         return JaxmemRunner(train_step, batch_size, max_len, budget_bytes, state_spec,
-                            batch_sharding, mesh, compile_workers, packed, compile_plan)
+                            batch_sharding, mesh, compile_workers, packed, compile_plan,
+                            max_tokens)
     raise ValueError(f"--scheduler must be 'xla' or 'jaxmem', got {scheduler!r}")
