@@ -20,6 +20,7 @@ import pytest
 
 from bench.checks import REGIONS_CHECK, must_show
 from bench.compare import run_comparison
+from bench.figures import markdown
 from bench.processes import compare_peaks
 from bench.regions import beats, pair_verdicts, plan_groups, verdict
 from bench.suite import merge
@@ -117,7 +118,8 @@ def test_merged_result_keeps_each_workloads_regions_and_processes() -> None:
     """The layout results.json gets: sections per workload, the check over all of them."""
     section = {"groups": plan_groups(ROWS), "cross": _cross(0.9)}
     tokens = {"workload": "w", "budget_bytes": 1, "rows": ROWS, "regions": section,
-              "processes": {"processes": 2, "max_rel_diff": 0.0}}
+              "processes": {"processes": 2, "max_rel_diff": 0.0, "same_levels": True,
+                            "shapes": [{"b": 64, "s": 16, "peak_bytes": [5, 5], "rel_diff": 0.0}]}}
     other = {"workload": "v", "budget_bytes": 2, "rows": [{**r, "workload": "v"} for r in ROWS]}
     merged = json.loads(json.dumps(merge([other, tokens])))
     assert merged["workloads"]["w"]["regions"] == section and "regions" not in merged
@@ -125,6 +127,13 @@ def test_merged_result_keeps_each_workloads_regions_and_processes() -> None:
     assert "regions" not in merged["workloads"]["v"]
     assert merged["checks"][REGIONS_CHECK] == {"ok": True,
                                                "detail": f"w: {verdict(section)['detail']}"}
+    for e in section["cross"]:  # the printed table needs what a real entry holds
+        e["own"]["peak_bytes"] = e["other"]["peak_bytes"] = 2**20
+        if e["own_over_other"]:
+            e["own_over_other"].update(min=0.5, max=1.5)
+    md = markdown({**merge([other, tokens]), "rows": []})  # the hand-made rows lack times
+    assert md.count("| level 2 | level 6 |") == 2 and md.count("| level 6 | level 2 |") == 1
+    assert "Peaks from 2 processes: max relative difference 0.00e+00" in md
 
 
 TINY = TokenGrid(1, 32, 2, 256, 16, 128, ((16, 16), (2, 128)), (), 2)
