@@ -332,7 +332,7 @@ def _setup(name: str, a: argparse.Namespace, quick: bool, epoch_n: int
     """Workload ``name``, its grid and its ``run_comparison`` options from the CLI."""
     epoch = None if epoch_n < 0 else epoch_n
     if name == "gpt-tokens":
-        return token_setup(quick, tuple(a.methods), a.repeats)
+        return token_setup(quick, tuple(a.methods), a.repeats, not a.no_analyze)
     if name == "llama":
         overrides = {"n_layers": a.layers} if a.layers else {}
         w = build_workload(a.model, max_len=a.max_len, max_records=2000 if quick else None,

@@ -88,12 +88,12 @@ def token_workload(g: TokenGrid, max_records: int | None = None, **kw: Any) -> W
                             name=f"gpt-tokens-{g.layers}x{g.d}", **kw)
 
 
-def token_setup(quick: bool, methods: tuple[str, ...], repeats: int | None = None
-                ) -> tuple[Workload, list[tuple[int, int]], dict[str, Any]]:
+def token_setup(quick: bool, methods: tuple[str, ...], repeats: int | None = None,
+                analyze: bool = True) -> tuple[Workload, list[tuple[int, int]], dict[str, Any]]:
     """``bench.compare``'s ``(workload, grid, run_comparison options)`` for ``gpt-tokens``."""
     g = token_grid(quick)
     w = token_workload(g, 2000 if quick else None)
     return w, g.shapes, {
         "repeats": repeats or g.repeats, "epoch_batches_n": 0, "timeline": False,
-        "analyze_coverage": not quick, "budget_shapes": list(g.edge), "regions": True,
+        "analyze_coverage": analyze and not quick, "budget_shapes": list(g.edge), "regions": True,
         "methods": tuple(m for m in methods if m not in TOKEN_METHODS_EXCLUDED)}
