@@ -16,7 +16,7 @@ runs along the token budget (``b * s = T``) plus interior shapes. The budget is
 ``--budget-fraction`` of the *smallest* plain-XLA peak along the token budget (the
 short-``s`` end; the long-``s`` end's is about 1.5x larger): plain XLA is then over
 the budget at every shape on it, so both regions must run a recomputing level, and the
-long end's lowest levels still fit. The padding methods are left out: padding ``s`` up
+long end's more-recomputing levels still fit. The padding methods are left out: padding ``s`` up
 (to the data's longest, or a bucket) leaves the declared domain ``b * s <= T``.
 
 Example:
