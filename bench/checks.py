@@ -10,6 +10,7 @@ import jax
 
 import jaxmem
 from bench.methods import Methods
+from bench.regions import verdict
 from bench.workload import Workload
 
 
@@ -33,7 +34,8 @@ def coverage(w: Workload, m: Methods, rows: Sequence[dict[str, Any]], max_b: int
         ``(coverage, report)``: the JSON-ready counts and the symbolic
         :class:`jaxmem.Report` (None when ``run_analyze`` is False).
     """
-    b, s = jax.export.symbolic_shape("b, s", constraints=(f"b <= {max_b}", f"s <= {max_s}"))
+    b, s = jax.export.symbolic_shape("b, s", constraints=(f"b <= {max_b}", f"s <= {max_s}",
+                                                          *w.constraints))
     specs = {k: jax.ShapeDtypeStruct((b, s), v.dtype) for k, v in w.batch(1, 1).items()}
     out: dict[str, Any] = {"workload": w.name}
     reports = {}
@@ -71,6 +73,10 @@ def _row(rows: Sequence[dict[str, Any]], b: int, s: int, method: str) -> dict[st
     return next((r for r in rows if (r["b"], r["s"], r["method"]) == (b, s, method)), None)
 
 
+#: the 2-D domain's must-show line (issue #14), present where a workload ran the
+#: region cross-check: "2-D domain: >= 2 regions whose plans differ and each beats the
+#: other's at its shapes"
+REGIONS_CHECK = "2d_domain_2_regions_each_beats_the_others_plan"
 #: checks reached where any workload reaches them (the others: where all do)
 ANY_WORKLOAD = ("xla_over_jaxmem_fits", "ablation_contribution")
 
@@ -91,6 +97,12 @@ def must_show(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
         detail = (next(iter(got.values()))["detail"] if len(got) == 1 else
                   "; ".join(f"{w}: {v['detail']}" for w, v in got.items()))
         checks[key] = {"ok": bool(ok), "detail": detail}
+    regions = {w: sec for w in names if (sec := _section_of(result, w, "regions"))}
+    if regions:  # recomputed from the cross entries' numbers, never the stored verdict
+        got = {w: verdict(sec) for w, sec in regions.items()}
+        checks[REGIONS_CHECK] = {"ok": any(v["ok"] for v in got.values()),
+                                 "detail": "; ".join(f"{w}: {v['detail']}"
+                                                     for w, v in got.items())}
     ep = result.get("epoch", {})
     det = result.get("epoch_detail", {}).get("methods", {})
     if {"jaxmem", "pad-max", "buckets"} <= set(ep):
@@ -105,10 +117,15 @@ def must_show(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def _coverage_of(result: dict[str, Any], workload: str) -> dict[str, Any]:
     """One workload's coverage section (a single-workload result holds it at the top)."""
-    own = result.get("workloads", {}).get(workload, {}).get("coverage")
+    return _section_of(result, workload, "coverage")
+
+
+def _section_of(result: dict[str, Any], workload: str, key: str) -> dict[str, Any]:
+    """One workload's ``key`` section (a single-workload result holds it at the top)."""
+    own = result.get("workloads", {}).get(workload, {}).get(key)
     if own is not None:
         return own
-    return result.get("coverage", {}) if result.get("workload") in (workload, None) else {}
+    return result.get(key, {}) if result.get("workload") in (workload, None) else {}
 
 
 def _spread_text(sp: dict[str, Any] | None) -> str:

@@ -45,8 +45,11 @@ from bench.figures import markdown, plot_peaks, plot_predicted
 from bench.methods import METHODS, Methods, measure
 from bench.oracle import oracle_rows, summary
 from bench.outputs import add_output_arguments, results_dir
+from bench.processes import second_process_peaks
+from bench.regions import region_check
 from bench.suite import WORKLOADS, merge, program_grid
 from bench.timeline import timeline_figure
+from bench.tokens import token_setup
 from bench.workload import Workload, build_workload
 from train.config import parse_bytes
 
@@ -69,13 +72,15 @@ def shape_grid(lengths: np.ndarray, batch_sizes: Sequence[int], quantiles: Seque
     return sorted(grid, key=lambda bs: (bs[1], bs[0]))
 
 
-def choose_budget(methods: Methods, b: int, s: int, fraction: float, log: Any) -> int:
-    """``fraction`` of plain XLA's peak at the largest shape, rounded down to a MiB (KiB
-    for peaks under 64 MiB)."""
-    p = methods.prepare("xla", b, s)
+def choose_budget(methods: Methods, shapes: Sequence[tuple[int, int]], fraction: float,
+                  log: Any) -> int:
+    """``fraction`` of plain XLA's smallest peak over ``shapes`` (usually just the largest
+    shape), rounded down to a MiB (KiB for peaks under 64 MiB)."""
+    p = min((methods.prepare("xla", b, s) for b, s in shapes), key=lambda p: p.peak_bytes)
     unit = MIB if p.peak_bytes >= 64 * MIB else 1024
     budget = max(unit, int(fraction * p.peak_bytes) // unit * unit)
-    log(f"budget: {fraction:.2f} x xla peak at (b={b}, s={s}) = {p.peak_bytes / MIB:.1f} MiB "
+    log(f"budget: {fraction:.2f} x xla peak at (b={p.b}, s={p.s}) = {p.peak_bytes / MIB:.1f} "
+        f"MiB{' (the least of ' + str(list(shapes)) + ')' if len(shapes) > 1 else ''} "
         f"-> {budget / MIB:.1f} MiB ({budget} bytes)")
     return budget
 
@@ -127,12 +132,18 @@ def run_comparison(workload: Workload, grid: Sequence[tuple[int, int]], *,
                    epoch_batches_n: int | None = 8, epoch_b: int | None = None,
                    results_dir: Path | None = None, timeline: bool = True,
                    analyze_coverage: bool = True, fresh_epoch: bool = True,
-                   oracle: bool = True, log: Any = print, save: Any = None) -> dict[str, Any]:
+                   oracle: bool = True, budget_shapes: Sequence[tuple[int, int]] | None = None,
+                   regions: bool = False, second_process: bool = False,
+                   log: Any = print, save: Any = None) -> dict[str, Any]:
     """The whole comparison as a JSON-ready dict (figures and ``compare.md`` written to
     ``results_dir``; None: no files written).
 
     ``oracle``: add an ``oracle`` row per shape (:mod:`bench.oracle`: every jaxmem level
     and uniform policy compiled, the fastest that fits timed) and ``summary``.
+    ``budget_shapes``: the budget is ``budget_fraction`` of plain XLA's least peak over
+    them (None: the last grid shape). ``regions``: the region cross-check
+    (:mod:`bench.regions`) under ``regions``. ``second_process``: jaxmem's executables
+    recompiled in a fresh process, both peaks under ``processes`` (:mod:`bench.processes`).
 
     ``fresh_epoch=False`` lets the epoch reuse the grid's executables (tests only: its
     compile seconds then undercount). ``save(result)`` is called after each stage with
@@ -144,7 +155,8 @@ def run_comparison(workload: Workload, grid: Sequence[tuple[int, int]], *,
     max_s = workload.max_len
     budget_methods = Methods(workload, None, max_b, max_s)
     if budget_bytes is None:
-        budget_bytes = choose_budget(budget_methods, *grid[-1], budget_fraction, log)
+        budget_bytes = choose_budget(budget_methods, budget_shapes or grid[-1:],
+                                     budget_fraction, log)
     m = Methods(workload, budget_bytes, max_b, max_s)
     m.share_compiled(budget_methods)  # plain executables do not depend on the budget
     log(f"grid: {list(grid)}; methods: {list(methods)}; repeats {repeats}")
@@ -157,6 +169,9 @@ def run_comparison(workload: Workload, grid: Sequence[tuple[int, int]], *,
         rows += oracle_rows(m, rows, grid, repeats, log)
     result["rows"] = rows
     result["summary"] = summary(rows)
+    if regions:
+        log("regions: each region's plan against the other regions' at its shapes")
+        result["regions"] = region_check(m, rows, repeats, log)
     save(result)
     if epoch_batches_n != 0:
         eb = epoch_b or max_b
@@ -180,6 +195,8 @@ def run_comparison(workload: Workload, grid: Sequence[tuple[int, int]], *,
     result["coverage"], report = coverage(workload, m, rows, max_b, max_s, analyze_coverage)
     log(f"coverage: {result['coverage'].get('analyze')}, plan sets "
         f"{result['coverage']['plan_set']} [{time.perf_counter() - t0:.1f}s]")
+    if second_process:
+        result["processes"] = second_process_peaks(workload, m, rows, log)
     result["checks"] = must_show(result)
     if jax.default_backend() == "gpu":
         stats = jax.devices()[0].memory_stats() or {}
@@ -254,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=None, help="override the preset's n_layers")
     p.add_argument("--no-oracle", action="store_true",
                    help="skip the oracle rows (every jaxmem level compiled per shape)")
+    p.add_argument("--no-second-process", action="store_true",
+                   help="skip recompiling jaxmem's executables in a fresh process")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS,
                    help="the Llama's grid follows --batch/--quantiles/--max-len; the "
                         "decoders' grids are bench.suite.program_grid's")
@@ -268,7 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run_workloads(
         runs, side, log=lambda *x: print(*x, flush=True),
         save=lambda r: _save(a.out, r, quick, partial=True, md=side),
-        budget_fraction=a.budget_fraction, methods=a.methods, oracle=not a.no_oracle)
+        budget_fraction=a.budget_fraction, methods=tuple(a.methods), oracle=not a.no_oracle,
+        second_process=not a.no_second_process)
     _save(a.out, result, quick)
     print(markdown(result))
     print(f"wrote {a.out} [{time.perf_counter() - t0:.1f}s total]")
@@ -286,7 +306,8 @@ def run_workloads(runs: Iterable[Callable[[], tuple[Workload, Sequence[tuple[int
             workload's data and state exist only while it runs).
         results_dir: where figures and the merged ``compare.md`` go (None: nowhere).
         log, save: as for :func:`run_comparison`; ``save`` gets the merged result so far.
-        **common: options for every workload (``budget_fraction``, ``methods``...).
+        **common: options for every workload (``budget_fraction``, ``methods``...); a
+            workload's own options override them.
     """
     save = save or (lambda r: None)
     done: list[dict[str, Any]] = []
@@ -297,7 +318,7 @@ def run_workloads(runs: Iterable[Callable[[], tuple[Workload, Sequence[tuple[int
             f"{int(np.median(w.lengths))}, max {int(w.lengths.max())}; grid {list(grid)} "
             f"[{time.perf_counter() - t0:.1f}s]")
         done.append(run_comparison(w, grid, results_dir=results_dir, log=log,
-                                   save=lambda r: save(merge([*done, r])), **common, **kw))
+                                   save=lambda r: save(merge([*done, r])), **{**common, **kw}))
     result = merge(done)
     if results_dir is not None:
         result["figures"] = {**result.get("figures", {}),
@@ -310,6 +331,8 @@ def _setup(name: str, a: argparse.Namespace, quick: bool, epoch_n: int
            ) -> tuple[Workload, list[tuple[int, int]], dict[str, Any]]:
     """Workload ``name``, its grid and its ``run_comparison`` options from the CLI."""
     epoch = None if epoch_n < 0 else epoch_n
+    if name == "gpt-tokens":
+        return token_setup(quick, tuple(a.methods), a.repeats, not a.no_analyze)
     if name == "llama":
         overrides = {"n_layers": a.layers} if a.layers else {}
         w = build_workload(a.model, max_len=a.max_len, max_records=2000 if quick else None,

@@ -41,7 +41,8 @@ def tokens_step(step: Callable[..., Any]) -> Step:
 
 def program_workload(kind: str, layers: int, d: int, max_len: int,
                      max_records: int | None = None, records: list[Record] | None = None,
-                     max_b: int = 64) -> Workload:
+                     max_b: int = 64, heads: int | None = None,
+                     constraints: tuple[str, ...] = (), name: str | None = None) -> Workload:
     """The ``kind`` program (``gpt`` or ``gpt-scan``) on the built-in data (or ``records``).
 
     Args:
@@ -51,9 +52,12 @@ def program_workload(kind: str, layers: int, d: int, max_len: int,
         max_records: read at most this many records.
         records: use these records instead of the built-in data (tests).
         max_b: the program's own bound on ``b`` (the bench declares its own).
+        heads: attention heads (None: ``d // 64``, at least one).
+        constraints: extra constraints on ``b, s`` jaxmem is given (``"b*s <= 1024"``).
+        name: the workload's name (None: ``<kind>-<layers>x<d>``).
     """
     tok = ByteTokenizer()
-    heads = max(1, d // 64)
+    heads = heads or max(1, d // 64)
 
     def make(policy: Callable[..., bool] | None = None) -> Program:
         return PROGRAMS[kind](layers, d, heads, tok.vocab_size, max_b, max_len,
@@ -66,7 +70,10 @@ def program_workload(kind: str, layers: int, d: int, max_len: int,
         dataset = build_dataset(records, tok, max_len, DataStats("records"))
     config = {"program": program.name, "n_layers": layers, "d_model": d, "n_heads": heads,
               "vocab": tok.vocab_size, "dtype": "float32", "param_dtype": "float32"}
-    return Workload(f"{kind}-{layers}x{d}", config, concrete(program.state, 0),
+    recipe = {"builder": "program", "kind": kind, "layers": layers, "d": d,
+              "max_len": max_len, "max_b": max_b, "heads": heads,
+              "constraints": list(constraints), "name": name}
+    return Workload(name or f"{kind}-{layers}x{d}", config, concrete(program.state, 0),
                     tokens_step(program.step), None, None, dataset, max_len,
                     remat=lambda policy: tokens_step(make(policy).step),
-                    batch_keys=("tokens",))
+                    batch_keys=("tokens",), constraints=tuple(constraints), recipe=recipe)

@@ -48,6 +48,8 @@ def markdown(result: dict[str, Any]) -> str:
                   "[min, max] | fits | level / choice |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         lines += [_table_row(r) for r in result["rows"] if r["workload"] == name]
+        lines += _sections(result.get("workloads", {}).get(name)
+                           or (result if result.get("workload") == name else {}))
     over = result.get("summary", {}).get("jaxmem_over_oracle", [])
     if over:
         lines += ["", "## jaxmem / oracle step time", "",
@@ -72,6 +74,32 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [f"- **{k}**: {'reached' if v['ok'] else 'NOT reached'} — {v['detail']}"
                   for k, v in checks.items()]
     return "\n".join(lines) + "\n"
+
+
+def _sections(sec: dict[str, Any]) -> list[str]:
+    """A workload's region cross-check table and its two-process peak line, if it has them."""
+    lines: list[str] = []
+    reg = sec.get("regions")
+    if reg:
+        lines += ["", f"Regions (jaxmem's plan against another region's at this shape): "
+                  f"{reg.get('detail', '')}", "",
+                  "| b | s | own plan | other plan | own MiB | other MiB | other fits | "
+                  "own / other time [min, max] | own beats |", "|---" * 9 + "|"]
+        for e in reg["cross"]:
+            sp = e["own_over_other"]
+            t = "same executable" if e["same_executable"] else (
+                "—" if not sp else f"{sp['median']:.3f} [{sp['min']:.3f}, {sp['max']:.3f}]")
+            lines.append(f"| {e['b']} | {e['s']} | {e['own_plan']} | {e['other_plan']} | "
+                         f"{_mib(e['own']['peak_bytes'])} | {_mib(e['other']['peak_bytes'])} | "
+                         f"{'yes' if e['other']['fits_budget'] else 'NO'} | {t} | "
+                         f"{'yes' if e['own_beats'] else 'no'} |")
+    pr = sec.get("processes")
+    if pr and pr.get("shapes"):
+        diff = pr["max_rel_diff"]
+        lines += ["", f"Peaks from {pr['processes']} processes: max relative difference "
+                  f"{'—' if diff is None else f'{diff:.2e}'}, same levels {pr['same_levels']} "
+                  f"over {len(pr['shapes'])} shape(s)."]
+    return lines
 
 
 def _table_row(r: dict[str, Any]) -> str:

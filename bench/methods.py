@@ -45,6 +45,8 @@ class Prepared:
         call: runs one step (None when no plan fits).
         level: jaxmem's plan level, or None.
         min_peak_bytes: for an infeasible jaxmem shape, what the best plan needs.
+        recompute: the residual groups jaxmem's plan recomputes, or None.
+        microbatches: jaxmem's accumulation steps, or None.
     """
 
     method: str
@@ -57,6 +59,8 @@ class Prepared:
     call: Callable[[], Any] | None
     level: int | None = None
     min_peak_bytes: int | None = None
+    recompute: tuple[str, ...] | None = None
+    microbatches: int | None = None
 
 
 def time_round(calls: Sequence[Callable[[], Any]], repeats: int, warmup: int = 1
@@ -125,6 +129,7 @@ class Methods:
         self.pad_to = int(workload.lengths.max())
         self._compiled: dict[tuple[str, int, int], tuple[Any, float]] = {}
         self._batches: dict[tuple[int, int], dict[str, jax.Array]] = {}
+        self._levels: dict[tuple[int, int, int, int], jaxmem.Plan] = {}
         self.jaxmem = self.make_jaxmem(symbolic=True)
         self.fallback = self.make_jaxmem(symbolic=False)
         self.static: dict[tuple[int, int], jaxmem.Jitted] = {}
@@ -155,7 +160,8 @@ class Methods:
         if not polymorphic:
             return jaxmem.jit(self.w.train_step, budget_bytes=self.budget_bytes)
         return jaxmem.jit(self.w.train_step, polymorphic_shapes=(None, "b, s"),
-                          constraints=(f"b <= {self.max_b}", f"s <= {self.max_s}"),
+                          constraints=(f"b <= {self.max_b}", f"s <= {self.max_s}",
+                                       *self.w.constraints),
                           budget_bytes=self.budget_bytes, symbolic=symbolic)
 
     def batch(self, b: int, s: int) -> dict[str, jax.Array]:
@@ -183,6 +189,15 @@ class Methods:
             self._compiled[key] = (c, dt)
             return c, dt
         return self._compiled[key][0], 0.0
+
+    def level_plan(self, k: int, b: int, s: int, microbatches: int = 1) -> jaxmem.Plan:
+        """jaxmem's level ``k`` compiled at ``(b, s)`` whatever the budget; cached, so the
+        oracle and the region cross-check (:mod:`bench.regions`) compile it once."""
+        key = (k, b, s, microbatches)
+        if key not in self._levels:
+            self._levels[key] = self.jaxmem.compile_level(k, self.w.state, self.batch(b, s),
+                                                          microbatches=microbatches)
+        return self._levels[key]
 
     # --- preparing one method at one shape ----------------------------------------------
 
@@ -225,7 +240,8 @@ class Methods:
         dt = time.perf_counter() - t0
         peak = xla_peak_bytes(plan.compiled)
         return Prepared(method, b, s, s, peak, int(plan.predicted_peak_bytes), dt,
-                        lambda: step(state, batch), level=plan.level)
+                        lambda: step(state, batch), level=plan.level,
+                        recompute=tuple(plan.recompute), microbatches=plan.microbatches)
 
 
 def measure(methods: Methods, method: str, b: int, s: int, repeats: int,
@@ -265,4 +281,6 @@ def measure(methods: Methods, method: str, b: int, s: int, repeats: int,
         row["hand"] = f"per-layer jax.checkpoint({POLICY_NAMES[method]})"
     if p.min_peak_bytes is not None:
         row["min_peak_bytes"] = p.min_peak_bytes
+    if p.recompute is not None:
+        row["recompute"], row["microbatches"] = list(p.recompute), p.microbatches
     return row, p

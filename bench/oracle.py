@@ -98,7 +98,7 @@ def candidates(m: Methods, rows: dict[str, dict[str, Any]], b: int, s: int
             plan = m.jaxmem.plan_for(state, batch)
             run, reuse = (lambda: m.jaxmem(state, batch)), _from_row(j)
         else:
-            plan = m.jaxmem.compile_level(k, state, batch)
+            plan = m.level_plan(k, b, s)
             run, reuse = (lambda plan=plan: plan.run(state, batch)), {}
         out.append(Candidate(f"jaxmem level {k}", int(plan.peak_bytes), run,
                              fingerprint(plan.compiled), k, **reuse))

@@ -2,7 +2,8 @@
 
 Workloads: ``llama`` (the project's Llama, :mod:`bench.workload`), ``gpt`` (the
 plain-JAX decoder with a Python loop over layers and no named scopes) and
-``gpt-scan`` (its ``lax.scan`` twin; both :mod:`bench.decoders`). Each has its own
+``gpt-scan`` (its ``lax.scan`` twin; both :mod:`bench.decoders`) and ``gpt-tokens``
+(the plain GPT on the 2-D token-budget domain ``b*s <= T``, :mod:`bench.tokens`). Each has its own
 budget (``--budget-fraction`` of plain XLA's peak at its largest shape; ``--budget``
 applies to the Llama only) and its own shape grid.
 
@@ -22,7 +23,7 @@ from bench.checks import must_show
 from bench.oracle import summary
 
 #: workload names accepted by ``--workloads``
-WORKLOADS = ("llama", "gpt", "gpt-scan")
+WORKLOADS = ("llama", "gpt", "gpt-scan", "gpt-tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,8 @@ def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if not results:
         return {"budget_bytes": None, "rows": [], "epoch": {}}
     first = results[0]
-    keep = ("budget_bytes", "epoch", "epoch_detail", "coverage", "config", "figures", "wall_s")
+    keep = ("budget_bytes", "epoch", "epoch_detail", "coverage", "config", "figures", "wall_s",
+            "regions", "processes")
     out: dict[str, Any] = {**first}
     out["rows"] = [r for res in results for r in res.get("rows", [])]
     out["budgets"] = {res["workload"]: res["budget_bytes"] for res in results}

@@ -57,6 +57,11 @@ class Workload:
         remat: policy -> the same step with every layer under ``jax.checkpoint(policy)``
             (None: the Llama's :func:`make_remat_step`).
         batch_keys: the batch entries the step reads (the others are not passed).
+        constraints: JAX-style constraints on ``b, s`` beyond their bounds (the 2-D
+            token-budget domain's ``"b*s <= 1024"``), declared to jaxmem as they are.
+        recipe: JSON-ready keyword arguments that rebuild this workload's step and state
+            in a fresh process, without its data (``{"builder": "llama" | "program",
+            ...}``, :mod:`bench.processes`).
     """
 
     name: str
@@ -69,6 +74,8 @@ class Workload:
     max_len: int
     remat: Callable[[Callable[..., bool]], Step] | None = None
     batch_keys: tuple[str, ...] = ("tokens", "targets", "loss_mask")
+    constraints: tuple[str, ...] = ()
+    recipe: dict[str, Any] | None = None
 
     @property
     def lengths(self) -> np.ndarray:
@@ -161,5 +168,7 @@ def build_workload(model: str = "tiny", max_len: int | None = None,
     net = Llama(config, rngs=nnx.Rngs(0))
     tx, _ = make_optimizer(lr=1e-4, steps=1000)
     graphdef, state = init_state(net, tx)
+    # Without the data: it never reaches the step (the state is seeded, so it is the same).
+    recipe = {"builder": "llama", "model": model, "max_len": max_len, **overrides}
     return Workload(f"llama-{model}", config, state, make_train_step(graphdef, tx), graphdef,
-                    tx, dataset, max_len)
+                    tx, dataset, max_len, recipe=recipe)

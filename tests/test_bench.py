@@ -249,7 +249,8 @@ def test_bench_writes_only_where_told(bench: str, workload: Workload, tmp_path: 
         monkeypatch.setattr(compare, "build_workload", lambda *a, **k: workload)
         argv += ["--workloads", "llama", "--batch", "4", "--quantiles", "1.0", "--repeats", "1",
                  "--epoch-batches", "0",
-                 "--methods", "xla", "pad-max", "--no-timeline", "--no-analyze", "--no-oracle"]
+                 "--methods", "xla", "pad-max", "--no-timeline", "--no-analyze", "--no-oracle",
+                 "--no-second-process"]
     else:
         argv.append("--quick")
     main = {"dispatch": dispatch.main, "offload": offload.main, "compare": compare.main}[bench]
