@@ -113,6 +113,8 @@ class PlanSet:
                 seen_r, seen_o = (), ()
             added = ([f"recompute {g}" for g in level.recompute if g not in seen_r]
                      + [f"offload {g}" for g in level.offload if g not in seen_o])
+            if level.segments is not None:
+                extends, added = False, [f"re-run {level.segments.name}"]
             if level.loops is not None:  # loop levels do not extend the level before them
                 groups = len(level.recompute) + len(level.offload) - 1
                 added = [level.loops.name] + ([f"and the {groups} group(s) of the greedy "
@@ -126,7 +128,7 @@ class PlanSet:
             expr = expr if len(expr) <= 120 else expr[:117] + "..."
             lines.append(f"  level {k}: {what}")
             lines.append(f"    peak_bytes = {expr}")
-            lines.extend(f"    at {', '.join(f'{k}={v}' for k, v in p.items())}: "
+            lines.extend(f"    at {', '.join(f'{n}={v}' for n, v in p.items())}: "
                          f"{human_bytes(level.peak_fn(p))}" for p in anchors)
             if chosen:
                 lines.append(f"    chosen at {chosen.count(k)} of {len(points)} sampled shapes")
