@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import sympy
@@ -207,16 +207,19 @@ def _canonical_dot_operands(dims: tuple, ranks: tuple[int, int]) -> tuple[bool, 
     return lhs_ok, rhs_ok
 
 
-def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int]
-                       ) -> list[Extra]:
+def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
+                      size: Callable[[int], sympy.Expr] | None = None) -> list[Extra]:
     """Copies of dot operands XLA has to transpose (see ``_canonical_dot_operands``).
 
     In a train step these are transposed activations for the weight-gradient
     dots, which raise XLA's peak at large shapes. One copy per operand, made at
     the first dot that needs it and shared until the last (XLA's CSE). XLA's
     breadth-first CPU scheduler often makes it earlier, right after its operand;
-    modelling that measured worse on the benchmark programs than this.
+    modelling that measured worse on the benchmark programs than this. ``size``:
+    a value's buffer bytes where they differ from the jaxpr's (float32 buffers of
+    low-precision values, :mod:`jaxmem.memory.precision`).
     """
+    size = size or (lambda v: graph.values[v].nbytes)
     spans: dict[int, list[int]] = {}
     for p, ni in enumerate(order):
         node = graph.nodes[ni]
@@ -236,7 +239,7 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int]
                 continue
             span = spans.setdefault(v.id, [p, p])
             span[1] = p
-    return [Extra(v, graph.values[v].nbytes, a, b, "transposed copy")
+    return [Extra(v, size(v), a, b, "transposed copy")
             for v, (a, b) in spans.items()]
 
 
