@@ -45,8 +45,9 @@ def materialised(graph: Graph) -> dict[int, int]:
     Follows XLA's fusion pass: an elementwise result is recomputed inside every
     consumer that can fuse it (elementwise ops and reductions) and takes no
     buffer, unless it is an output, feeds an op that needs its operands in
-    memory (dots, gathers, control flow, ...), or is expensive to recompute
-    (``EXPENSIVE``) and read by more than one consumer.
+    memory (dots, gathers, control flow, ...), or is read by more than one
+    consumer and is expensive to recompute (``EXPENSIVE``) or one of its readers
+    is a reduction.
     """
     consumers = graph.consumers
     nodes = graph.nodes
@@ -81,7 +82,12 @@ def materialised(graph: Graph) -> dict[int, int]:
                 continue
             kinds = real_consumer_kinds(o)
             fusible = all(k in ("elementwise", "reduce") for k in kinds)
+            # A reduction reads its operand from memory once XLA's CPU backend hands it
+            # to its reduction library: a value it shares with other consumers is
+            # materialised, not recomputed in each (measured: LayerNorm's ``x - mean``,
+            # and the float32 convert of a bfloat16 input, get their own buffers).
             duplicable = len(kinds) <= 1 or (n.primitive not in EXPENSIVE
+                                             and "reduce" not in kinds
                                              and _effectively_unary(graph, n))
             owner[o] = -1 if (fusible and duplicable) else o
     return owner
