@@ -50,8 +50,10 @@ from bench.programs import Program, gpt_program, gpt_scan_program, llama_program
 
 MIB = 2**20
 
-LM_FULL = [{"b": b, "s": s} for b, s in ((1, 32), (4, 128), (2, 512), (8, 256), (8, 512))]
-LM_QUICK = [{"b": 1, "s": 32}, {"b": 8, "s": 256}]
+# Every level is compiled at every shape (a few seconds each on two CPU cores): three
+# shapes keep the full run within about ten minutes, one keeps --quick within two.
+LM_FULL = [{"b": 1, "s": 32}, {"b": 4, "s": 128}, {"b": 8, "s": 512}]
+LM_QUICK = [{"b": 4, "s": 128}]
 
 
 def linen_program(layers: int = 4, d: int = 256, max_b: int = 16, max_s: int = 512) -> Program:
@@ -70,19 +72,20 @@ def linen_program(layers: int = 4, d: int = 256, max_b: int = 16, max_s: int = 5
                    (f"b <= {max_b}", f"s <= {max_s}"))
 
 
-# (program factory, full shape grid, quick subset). Shapes span the range where the
-# activations are small next to the parameters and optimizer state up to where they
-# dominate, which is where XLA's buffer assignment behaves differently.
-SUITE: dict[str, tuple[Callable[[], Program], list[dict[str, int]], list[dict[str, int]]]] = {
-    "mlp": (lambda: mlp_program(),
-            [{"b": b} for b in (16, 512, 1024, 2048, 4096)],
-            [{"b": b} for b in (16, 4096)]),
-    "gpt": (lambda: gpt_program(layers=4, d=256), LM_FULL, LM_QUICK),
-    "gpt-scan": (lambda: gpt_scan_program(layers=4, d=256), LM_FULL, LM_QUICK),
-    "linen": (lambda: linen_program(layers=4, d=256), LM_FULL, LM_QUICK),
-    "llama": (lambda: llama_program("small"), LM_FULL, LM_QUICK),
-    "gpt-bf16": (lambda: gpt_program(layers=4, d=256, dtype=jnp.bfloat16), LM_FULL, LM_QUICK),
-    "llama-bf16": (lambda: llama_program("small", dtype="bf16"), LM_FULL, LM_QUICK),
+# name -> (program factory taking the layer count, full shape grid, quick subset).
+# Shapes span the range where the activations are small next to the parameters and
+# optimizer state up to where they dominate, which is where XLA's buffer assignment
+# behaves differently. --quick also halves the layers (4 -> 2): compiles dominate.
+SUITE: dict[str, tuple[Callable[[int], Program], list[dict[str, int]], list[dict[str, int]]]] = {
+    "mlp": (lambda n: mlp_program(layers=n - 1),
+            [{"b": b} for b in (16, 1024, 4096)], [{"b": 1024}]),
+    "gpt": (lambda n: gpt_program(layers=n, d=256), LM_FULL, LM_QUICK),
+    "gpt-scan": (lambda n: gpt_scan_program(layers=n, d=256), LM_FULL, LM_QUICK),
+    "linen": (lambda n: linen_program(layers=n, d=256), LM_FULL, LM_QUICK),
+    "llama": (lambda n: llama_program("small", n_layers=n), LM_FULL, LM_QUICK),
+    "gpt-bf16": (lambda n: gpt_program(layers=n, d=256, dtype=jnp.bfloat16), LM_FULL, LM_QUICK),
+    "llama-bf16": (lambda n: llama_program("small", n_layers=n, dtype="bf16"), LM_FULL,
+                   LM_QUICK),
 }
 
 
@@ -134,10 +137,13 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Median and worst absolute relative error per program (all levels; level 0; the
     deeper levels) and overall."""
     groups: dict[str, list[float]] = {}
+    for prefix in [*dict.fromkeys(r["program"] for r in rows), "overall"]:
+        for part in ("", " level 0", " deeper"):
+            groups[prefix + part] = []
     for r in rows:
-        part = "level 0" if r["level"] == 0 else "deeper"
-        for key in (r["program"], f"{r['program']} {part}", f"overall {part}", "overall"):
-            groups.setdefault(key, []).append(abs(r["error"]))
+        part = " level 0" if r["level"] == 0 else " deeper"
+        for key in (r["program"], r["program"] + part, "overall" + part, "overall"):
+            groups[key].append(abs(r["error"]))
     return {k: {"n": len(v), "median": statistics.median(v), "worst": max(v)}
             for k, v in groups.items() if v}
 
@@ -163,7 +169,8 @@ def time_analyze(repeats: int = 3) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two shapes per program")
+    parser.add_argument("--quick", action="store_true",
+                        help="one shape per program, 2-layer models")
     add_output_arguments(parser, "accuracy.json")
     parser.add_argument("--programs", default=",".join(SUITE), help="comma-separated subset")
     parser.add_argument("--no-timing", action="store_true",
@@ -175,7 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for name in args.programs.split(","):
         factory, full, quick = SUITE[name]
-        rows += run_program(name, factory(), quick if args.quick else full, log)
+        rows += run_program(name, factory(2 if args.quick else 4),
+                            quick if args.quick else full, log)
     summary = summarize(rows)
     for k, v in summary.items():
         log(f"{k:<20} n={v['n']:<3} median |error| {100 * v['median']:5.1f}%   "
