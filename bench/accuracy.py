@@ -1,25 +1,33 @@
-"""How close ``jaxmem.analyze(...).peak_bytes_at`` comes to XLA's own peak.
+"""How close jaxmem's predicted peak comes to XLA's, at every level of every plan set.
 
-For each train step of :mod:`bench.programs` and each shape, compiles the step
-with ``jax.jit`` at that exact shape and reads XLA's peak (``argument + output -
-alias + temp`` of ``memory_analysis()``, the contract's definition), then
-evaluates jaxmem's symbolic prediction, made once per program without compiling.
-Also times ``jaxmem.analyze`` on a 4-layer Llama-sized train step.
+For each train step of :data:`SUITE` and each shape, every level of the step's plan
+set (``jaxmem.jit(...).plans``) is compiled at that exact shape
+(``Jitted.compile_level``) and XLA's peak of that executable (``argument + output -
+alias + temp`` of ``memory_analysis()``, the contract's definition) is compared with
+the level's own prediction (``Plan.predicted_peak_bytes``, the level's ``peak_fn`` at
+those dims), derived once per program without compiling. Also times
+``jaxmem.analyze`` on a 4-layer Llama-sized train step.
+
+Programs: an MLP; the plain-JAX GPT (a Python loop over unnamed layers) and its
+``lax.scan`` twin; a Flax linen decoder (:func:`bench.reach.linen_case`); the Flax NNX
+Llama of ``models/``; and bf16-compute variants of the GPT and the Llama (float32
+parameters and optimizer state, activations and matmuls in bfloat16, as the Llama's
+``1b`` preset trains).
 
 Usage::
 
-    python -m bench.accuracy [--quick] [--out accuracy.json] [--results-dir DIR]
+    python -m bench.accuracy [--quick] [--programs gpt,llama-bf16] [--out accuracy.json]
+        [--results-dir DIR]
 
-Prints a table (program, shape, xla_peak, predicted, error) and the median and
-worst absolute relative error per program and overall, and writes all of it as
-JSON to ``--out``: ``{"rows": [...], "summary": {...}, "analyze_timing": {...}}``;
-the printed table goes to ``<results dir>/<stem of --out>.txt`` (:mod:`bench.outputs`).
+Prints a table (program, level, shape, xla, predicted, error) and the median and
+worst absolute relative error per program, for level 0 and for the deeper levels,
+and overall, and writes all of it as JSON to ``--out``: ``{"rows": [...],
+"summary": {...}, "analyze_timing": {...}}``; each row carries ``program``,
+``level``, ``shape``, ``xla``, ``predicted``, ``error`` (signed, relative to XLA).
+The printed table goes to ``<results dir>/<stem of --out>.txt`` (:mod:`bench.outputs`).
 
-Targets: median error <= 10 %, worst <= 25 % (tests assert these, see
-``tests/programs.py``). Measured on CPU (jax 0.10.2, 2 cores), full grid:
-median 1.6 %, worst 7.5 % (MLP 0.0 / 6.0, GPT 1.5 / 2.8, Llama 2.9 / 7.5);
-before output reuse and the XLA fusion rules: median 10.2 %, worst 36.1 %.
-``jaxmem.analyze`` of the 4-layer Llama-1B-sized step: about 1 s.
+Targets (issue 12): median error <= 3 %, worst <= 10 %. Figures: README, "Memory
+prediction accuracy".
 """
 
 from __future__ import annotations
@@ -33,27 +41,51 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 import jaxmem
 from bench.outputs import TextTable, add_output_arguments
-from bench.programs import Program, gpt_program, llama_program, mlp_program, xla_peak
+from bench.programs import Program, gpt_program, gpt_scan_program, llama_program, mlp_program
 
 MIB = 2**20
 
-# (program factory, full shape grid, quick subset). Shapes span the range where the
-# activations are small next to the parameters and optimizer state up to where they
-# dominate, which is where XLA's buffer assignment behaves differently.
-SUITE: dict[str, tuple[Callable[[], Program], list[dict[str, int]], list[dict[str, int]]]] = {
-    "mlp": (lambda: mlp_program(),
-            [{"b": b} for b in (16, 128, 512, 1024, 2048, 4096)],
-            [{"b": b} for b in (16, 1024, 4096)]),
-    "gpt": (lambda: gpt_program(layers=4, d=256),
-            [{"b": b, "s": s} for b, s in ((1, 32), (2, 64), (4, 128), (2, 512), (8, 256),
-                                           (8, 512), (16, 512))],
-            [{"b": 1, "s": 32}, {"b": 4, "s": 128}, {"b": 8, "s": 512}]),
-    "llama": (lambda: llama_program("small"),
-              [{"b": b, "s": s} for b, s in ((1, 32), (2, 64), (4, 128), (2, 512), (8, 256),
-                                             (8, 512), (16, 256))],
-              [{"b": 1, "s": 32}, {"b": 4, "s": 128}, {"b": 8, "s": 512}]),
+# Every level is compiled at every shape (a few seconds each on two CPU cores): three
+# shapes keep the full run within about ten minutes, one keeps --quick within two.
+LM_FULL = [{"b": 1, "s": 32}, {"b": 4, "s": 128}, {"b": 8, "s": 512}]
+LM_QUICK = [{"b": 4, "s": 128}]
+
+
+def linen_program(layers: int = 4, d: int = 256, max_b: int = 16, max_s: int = 512) -> Program:
+    """The Flax linen decoder of :func:`bench.reach.linen_case` as a :class:`Program`
+    (its parameters do not depend on the shape it is initialised at)."""
+    from bench.reach import linen_case
+
+    case = linen_case(1, 8, layers, d)
+    state = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                   case["args"][0])
+
+    def batch(dd: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
+        return (jax.ShapeDtypeStruct((dd["b"], dd["s"]), jnp.int32),)
+
+    return Program(f"linen{layers}x{d}", case["step"], state, batch, ("b", "s"),
+                   (f"b <= {max_b}", f"s <= {max_s}"))
+
+
+# name -> (program factory taking the layer count, full shape grid, quick subset).
+# Shapes span the range where the activations are small next to the parameters and
+# optimizer state up to where they dominate, which is where XLA's buffer assignment
+# behaves differently. --quick also halves the layers (4 -> 2): compiles dominate.
+SUITE: dict[str, tuple[Callable[[int], Program], list[dict[str, int]], list[dict[str, int]]]] = {
+    "mlp": (lambda n: mlp_program(layers=n - 1),
+            [{"b": b} for b in (16, 1024, 4096)], [{"b": 1024}]),
+    "gpt": (lambda n: gpt_program(layers=n, d=256), LM_FULL, LM_QUICK),
+    "gpt-scan": (lambda n: gpt_scan_program(layers=n, d=256), LM_FULL, LM_QUICK),
+    "linen": (lambda n: linen_program(layers=n, d=256), LM_FULL, LM_QUICK),
+    "llama": (lambda n: llama_program("small", n_layers=n), LM_FULL, LM_QUICK),
+    "gpt-bf16": (lambda n: gpt_program(layers=n, d=256, dtype=jnp.bfloat16), LM_FULL, LM_QUICK),
+    "llama-bf16": (lambda n: llama_program("small", n_layers=n, dtype="bf16"), LM_FULL,
+                   LM_QUICK),
 }
 
 
@@ -62,40 +94,56 @@ def relative_error(predicted: int, actual: int) -> float:
     return (predicted - actual) / actual
 
 
+def polymorphic_shapes(program: Program) -> tuple[str | None, ...]:
+    """``jaxmem.jit``'s ``polymorphic_shapes`` for a program: state fixed, batch symbolic."""
+    _, *batch = program.symbolic_args()
+    return (None, *(", ".join(str(d) for d in spec.shape) for spec in batch))
+
+
 def run_program(name: str, program: Program, shapes: Sequence[dict[str, int]],
                 log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Analyzes ``program`` once and compares it with XLA at every shape."""
+    """Every level of ``program``'s plan set against XLA at every shape (one analysis)."""
+    f = jaxmem.jit(program.step, polymorphic_shapes=polymorphic_shapes(program),
+                   constraints=program.constraints)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", jaxmem.JaxmemWarning)
-        report = jaxmem.analyze(program.step, *program.symbolic_args())
+        n_levels = len(f.plans(*program.concrete_args(shapes[0])).levels)
     analyze_s = time.perf_counter() - t0
     rows = []
     for dims in shapes:
-        actual = xla_peak(program, dims)
-        t1 = time.perf_counter()
-        predicted = report.peak_bytes_at(**dims)
-        eval_us = (time.perf_counter() - t1) * 1e6
-        row = {"program": name, "model": program.name, "shape": dims, "xla_peak": actual,
-               "predicted": predicted, "error": relative_error(predicted, actual),
-               "analyze_s": analyze_s, "peak_bytes_at_us": eval_us}
-        rows.append(row)
-        log(_fmt_row(row))
+        args = program.concrete_args(dims)
+        for level in range(n_levels):
+            t1 = time.perf_counter()
+            plan = f.compile_level(level, *args)
+            row = {"program": name, "model": program.name, "level": level,
+                   "levels": n_levels, "shape": dict(dims), "xla": int(plan.peak_bytes),
+                   "predicted": int(plan.predicted_peak_bytes),
+                   "error": relative_error(plan.predicted_peak_bytes, plan.peak_bytes),
+                   "analyze_s": analyze_s, "compile_s": time.perf_counter() - t1}
+            rows.append(row)
+            log(_fmt_row(row))
     return rows
 
 
 def _fmt_row(row: dict[str, Any]) -> str:
     shape = ",".join(f"{k}={v}" for k, v in row["shape"].items())
-    return (f"{row['model']:<14} {shape:<14} {row['xla_peak'] / MIB:>10.2f} "
-            f"{row['predicted'] / MIB:>10.2f} {100 * row['error']:>+8.1f}%")
+    return (f"{row['program']:<11} {row['level']:>2}/{row['levels']:<2} {shape:<12} "
+            f"{row['xla'] / MIB:>10.2f} {row['predicted'] / MIB:>10.2f} "
+            f"{100 * row['error']:>+8.1f}%")
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Median and worst absolute relative error per program and overall."""
+    """Median and worst absolute relative error per program (all levels; level 0; the
+    deeper levels) and overall."""
     groups: dict[str, list[float]] = {}
+    for prefix in [*dict.fromkeys(r["program"] for r in rows), "overall"]:
+        for part in ("", " level 0", " deeper"):
+            groups[prefix + part] = []
     for r in rows:
-        groups.setdefault(r["program"], []).append(abs(r["error"]))
-    groups["overall"] = [abs(r["error"]) for r in rows]
+        part = " level 0" if r["level"] == 0 else " deeper"
+        for key in (r["program"], r["program"] + part, "overall" + part, "overall"):
+            groups[key].append(abs(r["error"]))
     return {k: {"n": len(v), "median": statistics.median(v), "worst": max(v)}
             for k, v in groups.items() if v}
 
@@ -121,23 +169,29 @@ def time_analyze(repeats: int = 3) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="three shapes per program")
+    parser.add_argument("--quick", action="store_true",
+                        help="one shape per program, 2-layer models")
     add_output_arguments(parser, "accuracy.json")
     parser.add_argument("--programs", default=",".join(SUITE), help="comma-separated subset")
+    parser.add_argument("--no-timing", action="store_true",
+                        help="skip timing jaxmem.analyze on the Llama-1B-sized step")
     args = parser.parse_args(argv)
     log = TextTable()
-    log(f"{'program':<14} {'shape':<14} {'xla MiB':>10} {'pred MiB':>10} {'error':>9}")
+    log(f"{'program':<11} {'level':<5} {'shape':<12} {'xla MiB':>10} {'pred MiB':>10} "
+        f"{'error':>9}")
     rows: list[dict[str, Any]] = []
     for name in args.programs.split(","):
         factory, full, quick = SUITE[name]
-        rows += run_program(name, factory(), quick if args.quick else full, log)
+        rows += run_program(name, factory(2 if args.quick else 4),
+                            quick if args.quick else full, log)
     summary = summarize(rows)
     for k, v in summary.items():
-        log(f"{k:<10} n={v['n']:<3} median |error| {100 * v['median']:5.1f}%   "
+        log(f"{k:<20} n={v['n']:<3} median |error| {100 * v['median']:5.1f}%   "
             f"worst {100 * v['worst']:5.1f}%")
-    timing = time_analyze()
-    log(f"analyze on {timing['program']} ({timing['nodes']} ops): {timing['analyze_s']:.2f} s; "
-        f"peak_bytes_at {timing['peak_bytes_at_us']:.1f} us")
+    timing = None if args.no_timing else time_analyze(1 if args.quick else 3)
+    if timing:
+        log(f"analyze on {timing['program']} ({timing['nodes']} ops): "
+            f"{timing['analyze_s']:.2f} s; peak_bytes_at {timing['peak_bytes_at_us']:.1f} us")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"rows": rows, "summary": summary, "analyze_timing": timing}, f, indent=1)

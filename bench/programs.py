@@ -151,9 +151,13 @@ def reshape_program(width: int = 256, max_b: int = 64, max_s: int = 1024) -> Pro
 
 
 def layer_norm(x: jax.Array, p: Mapping[str, jax.Array]) -> jax.Array:
-    mu = x.mean(-1, keepdims=True)
-    var = ((x - mu) ** 2).mean(-1, keepdims=True)
-    return (x - mu) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+    """LayerNorm computed in float32 and returned in ``x``'s dtype (as mixed-precision
+    models do; a no-op cast for float32)."""
+    x32 = x.astype(jnp.float32)
+    mu = x32.mean(-1, keepdims=True)
+    var = ((x32 - mu) ** 2).mean(-1, keepdims=True)
+    out = (x32 - mu) * jax.lax.rsqrt(var + 1e-5)
+    return out.astype(x.dtype) * p["scale"].astype(x.dtype) + p["bias"].astype(x.dtype)
 
 
 def _ln_params(d: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -164,13 +168,21 @@ def _ln_params(d: int) -> dict[str, jax.ShapeDtypeStruct]:
 def causal_attention(x: jax.Array, p: Mapping[str, Any], heads: int) -> jax.Array:
     """Multi-head causal self-attention with an explicit ``[b, h, s, s]`` score tensor."""
     b, s, d = x.shape
-    qkv = (x @ p["qkv"]["w"] + p["qkv"]["b"]).reshape(b, s, 3, heads, d // heads)
+    qkv = _linear(x, p["qkv"]).reshape(b, s, 3, heads, d // heads)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // heads)
+    # Scores and softmax in float32, probabilities back in the compute dtype (as the
+    # Llama of models/ does).
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32
+                        ) / math.sqrt(d // heads)
     mask = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
-    probs = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1)
+    probs = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1).astype(x.dtype)
     ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d)
-    return ctx @ p["out"]["w"] + p["out"]["b"]
+    return _linear(ctx, p["out"])
+
+
+def _linear(x: jax.Array, p: Mapping[str, jax.Array]) -> jax.Array:
+    """``x @ w + b`` in ``x``'s dtype (float32 parameters cast to it, as flax does)."""
+    return x @ p["w"].astype(x.dtype) + p["b"].astype(x.dtype)
 
 
 def sinusoid(s: Any, d: int) -> jax.Array:
@@ -182,13 +194,17 @@ def sinusoid(s: Any, d: int) -> jax.Array:
 
 def gpt_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
                 max_b: int = 16, max_s: int = 512, mlp_only: bool = False,
-                remat_policy: Callable[..., Any] | None = None) -> Program:
+                remat_policy: Callable[..., Any] | None = None,
+                dtype: Any = jnp.float32) -> Program:
     """A GPT-2-like causal LM on ``tokens: i32[b, s]`` (next-token CE loss, AdamW).
 
     Plain JAX with a Python loop over layers and no named scopes. ``mlp_only``
     drops attention (a token-wise model) for a cheaper variant; ``remat_policy``
     wraps each layer in ``jax.checkpoint(policy=...)``, the one line a user would
-    write by hand (e.g. ``jax.checkpoint_policies.nothing_saveable``).
+    write by hand (e.g. ``jax.checkpoint_policies.nothing_saveable``). ``dtype`` is
+    the compute dtype (mixed precision: float32 parameters and optimizer state,
+    activations and matmuls in e.g. ``jnp.bfloat16``; norms, softmax and the loss
+    in float32), as the Llama's ``1b`` preset does.
     """
     block = {"ln1": _ln_params(d), "ln2": _ln_params(d), "fc": _dense(None, d, 4 * d),
              "proj": _dense(None, 4 * d, d)}
@@ -205,20 +221,23 @@ def gpt_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
         layer = jax.checkpoint(layer, policy=remat_policy)
 
     def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
-        x = params["embed"][tokens] + sinusoid(tokens.shape[1], d)
+        x = _embed(params, tokens, d, dtype)
         for p in params["blocks"]:
             x = layer(x, p)
         return _lm_loss(x, params, tokens)
 
-    name = f"gpt{layers}x{d}" + ("-mlp" if mlp_only else "") + ("-remat" if remat_policy else "")
+    name = (f"gpt{layers}x{d}" + ("-mlp" if mlp_only else "") + ("-remat" if remat_policy else "")
+            + _dtype_suffix(dtype))
     return _gpt(name, loss_fn, params, max_b, max_s)
 
 
 def gpt_scan_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
                      max_b: int = 16, max_s: int = 512,
-                     remat_policy: Callable[..., Any] | None = None) -> Program:
+                     remat_policy: Callable[..., Any] | None = None,
+                     dtype: Any = jnp.float32) -> Program:
     """:func:`gpt_program` with ``lax.scan`` over stacked layer parameters (how MaxText
-    and Levanter write it); ``remat_policy`` wraps the scanned body in ``jax.checkpoint``.
+    and Levanter write it); ``remat_policy`` wraps the scanned body in ``jax.checkpoint``;
+    ``dtype``: the compute dtype, as for :func:`gpt_program`.
     """
     block = {"ln1": _ln_params(d), "ln2": _ln_params(d), "fc": _dense(None, d, 4 * d),
              "proj": _dense(None, 4 * d, d), "qkv": _dense(None, d, 3 * d),
@@ -234,11 +253,10 @@ def gpt_scan_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int =
     body = layer if remat_policy is None else jax.checkpoint(layer, policy=remat_policy)
 
     def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
-        x = params["embed"][tokens] + sinusoid(tokens.shape[1], d)
-        x, _ = jax.lax.scan(body, x, params["blocks"])
+        x, _ = jax.lax.scan(body, _embed(params, tokens, d, dtype), params["blocks"])
         return _lm_loss(x, params, tokens)
 
-    name = f"gpt{layers}x{d}-scan" + ("-remat" if remat_policy else "")
+    name = f"gpt{layers}x{d}-scan" + ("-remat" if remat_policy else "") + _dtype_suffix(dtype)
     return _gpt(name, loss_fn, params, max_b, max_s)
 
 
@@ -247,12 +265,21 @@ def gpt_block(x: jax.Array, p: Mapping[str, Any], heads: int, mlp_only: bool = F
     """One pre-norm GPT block: causal attention (unless ``mlp_only``), then a GELU MLP."""
     if not mlp_only:
         x = x + causal_attention(layer_norm(x, p["ln1"]), p, heads)
-    h = jax.nn.gelu(layer_norm(x, p["ln2"]) @ p["fc"]["w"] + p["fc"]["b"])
-    return x + h @ p["proj"]["w"] + p["proj"]["b"]
+    h = jax.nn.gelu(_linear(layer_norm(x, p["ln2"]), p["fc"]))
+    return x + _linear(h, p["proj"])
+
+
+def _embed(params: Any, tokens: jax.Array, d: int, dtype: Any) -> jax.Array:
+    """Token embeddings plus sinusoidal positions, in the compute dtype."""
+    return (params["embed"][tokens] + sinusoid(tokens.shape[1], d)).astype(dtype)
+
+
+def _dtype_suffix(dtype: Any) -> str:
+    return "" if jnp.dtype(dtype) == jnp.float32 else f"-{jnp.dtype(dtype).name}"
 
 
 def _lm_loss(x: jax.Array, params: Any, tokens: jax.Array) -> jax.Array:
-    logits = layer_norm(x, params["ln_f"]) @ params["head"]
+    logits = (layer_norm(x, params["ln_f"]) @ params["head"].astype(x.dtype)).astype(jnp.float32)
     targets = jnp.roll(tokens, -1, axis=1)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 

@@ -10,6 +10,10 @@ Error bounds (relative error of ``Report.peak_bytes_at`` against XLA's
 
 * ``MEDIAN_BOUND``: the median over a program's shapes is at most 10 %;
 * ``WORST_BOUND``: every shape is within 25 %.
+
+Issue 12 tightens these to ``ISSUE_MEDIAN_BOUND`` (3 %) and ``ISSUE_WORST_BOUND``
+(10 %) over all programs, scanned and bf16-compute ones included; ``MET_BOUNDS``
+says, per program, the (median, worst) each one meets today where that is looser.
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ import statistics
 import warnings
 from collections.abc import Mapping, Sequence
 
+import jax.numpy as jnp
+
 import jaxmem
 from bench.programs import (
     Program,
     attention_program,
     gpt_program,
+    gpt_scan_program,
     llama_program,
     mlp_program,
     reshape_program,
@@ -31,10 +38,16 @@ from bench.programs import (
 
 MEDIAN_BOUND = 0.10
 WORST_BOUND = 0.25
+ISSUE_MEDIAN_BOUND = 0.03
+ISSUE_WORST_BOUND = 0.10
+#: (median, worst) met where the issue's bounds are not (measured, see README): the
+#: bf16 GPT still under-predicts at large shapes, the scanned GPT misses the median.
+MET_BOUNDS = {"gpt_bf16": (0.08, 0.12), "gpt_scan": (0.07, ISSUE_WORST_BOUND)}
 
 __all__ = ["MEDIAN_BOUND", "WORST_BOUND", "Program", "attention_program", "errors_against_xla",
            "gpt_program", "llama_program", "mlp_program", "reshape_program", "relative_error",
-           "small_attention", "small_gpt", "small_mlp", "small_reshape", "xla_peak"]
+           "small_attention", "small_gpt", "small_gpt_bf16", "small_gpt_scan",
+           "small_llama_bf16", "small_mlp", "small_reshape", "xla_peak"]
 
 
 def small_mlp() -> Program:
@@ -55,6 +68,22 @@ def small_reshape() -> Program:
 def small_gpt() -> Program:
     """A 2-layer GPT-like LM step (LayerNorm, attention, GELU MLP, optax CE, AdamW)."""
     return gpt_program(layers=2, d=64, heads=2, vocab=64, max_b=8, max_s=256)
+
+
+def small_gpt_bf16() -> Program:
+    """:func:`small_gpt` with bf16 compute (float32 parameters and AdamW state)."""
+    return gpt_program(layers=2, d=64, heads=2, vocab=64, max_b=8, max_s=256,
+                       dtype=jnp.bfloat16)
+
+
+def small_gpt_scan() -> Program:
+    """:func:`small_gpt` with ``lax.scan`` over stacked layer parameters."""
+    return gpt_scan_program(layers=2, d=64, heads=2, vocab=64, max_b=8, max_s=256)
+
+
+def small_llama_bf16() -> Program:
+    """The ``tiny`` Flax NNX Llama with bf16 compute, as the ``1b`` preset trains."""
+    return llama_program("tiny", max_b=8, max_s=256, dtype="bf16")
 
 
 def relative_error(predicted: int, actual: int) -> float:

@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import sympy
@@ -45,8 +45,9 @@ def materialised(graph: Graph) -> dict[int, int]:
     Follows XLA's fusion pass: an elementwise result is recomputed inside every
     consumer that can fuse it (elementwise ops and reductions) and takes no
     buffer, unless it is an output, feeds an op that needs its operands in
-    memory (dots, gathers, control flow, ...), or is expensive to recompute
-    (``EXPENSIVE``) and read by more than one consumer.
+    memory (dots, gathers, control flow, ...), or is read by more than one
+    consumer and is expensive to recompute (``EXPENSIVE``) or one of its readers
+    is a reduction.
     """
     consumers = graph.consumers
     nodes = graph.nodes
@@ -81,7 +82,12 @@ def materialised(graph: Graph) -> dict[int, int]:
                 continue
             kinds = real_consumer_kinds(o)
             fusible = all(k in ("elementwise", "reduce") for k in kinds)
+            # A reduction reads its operand from memory once XLA's CPU backend hands it
+            # to its reduction library: a value it shares with other consumers is
+            # materialised, not recomputed in each (measured: LayerNorm's ``x - mean``,
+            # and the float32 convert of a bfloat16 input, get their own buffers).
             duplicable = len(kinds) <= 1 or (n.primitive not in EXPENSIVE
+                                             and "reduce" not in kinds
                                              and _effectively_unary(graph, n))
             owner[o] = -1 if (fusible and duplicable) else o
     return owner
@@ -207,16 +213,19 @@ def _canonical_dot_operands(dims: tuple, ranks: tuple[int, int]) -> tuple[bool, 
     return lhs_ok, rhs_ok
 
 
-def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int]
-                       ) -> list[Extra]:
+def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
+                      size: Callable[[int], sympy.Expr] | None = None) -> list[Extra]:
     """Copies of dot operands XLA has to transpose (see ``_canonical_dot_operands``).
 
     In a train step these are transposed activations for the weight-gradient
     dots, which raise XLA's peak at large shapes. One copy per operand, made at
     the first dot that needs it and shared until the last (XLA's CSE). XLA's
     breadth-first CPU scheduler often makes it earlier, right after its operand;
-    modelling that measured worse on the benchmark programs than this.
+    modelling that measured worse on the benchmark programs than this. ``size``:
+    a value's buffer bytes where they differ from the jaxpr's (float32 buffers of
+    low-precision values, :mod:`jaxmem.memory.precision`).
     """
+    size = size or (lambda v: graph.values[v].nbytes)
     spans: dict[int, list[int]] = {}
     for p, ni in enumerate(order):
         node = graph.nodes[ni]
@@ -236,7 +245,7 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int]
                 continue
             span = spans.setdefault(v.id, [p, p])
             span[1] = p
-    return [Extra(v, graph.values[v].nbytes, a, b, "transposed copy")
+    return [Extra(v, size(v), a, b, "transposed copy")
             for v, (a, b) in spans.items()]
 
 

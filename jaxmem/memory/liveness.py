@@ -18,10 +18,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import jax
 import sympy
 
 from jaxmem.graph import Graph
 from jaxmem.memory.fusion import epilogue_broadcasts, materialised, transposed_copies
+from jaxmem.memory.precision import buffer_sizes, operand_copies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,30 +48,39 @@ class Buffer:
     note: str = ""
 
 
-def liveness(graph: Graph, order: Sequence[int] | None = None) -> tuple[Buffer, ...]:
+def liveness(graph: Graph, order: Sequence[int] | None = None,
+             backend: str | None = None) -> tuple[Buffer, ...]:
     """Buffers and their live ranges when the graph runs in ``order``.
 
     Args:
         graph: the graph.
         order: a permutation of node indices (program order when None).
+        backend: the JAX platform whose XLA rules apply (``jax.default_backend()``
+            when None): on CPU, low-precision dots take float32 buffers
+            (:mod:`jaxmem.memory.precision`).
 
     Donation changes no live range (an argument lives for the whole run either way);
     :func:`jaxmem.memory.model.memory_model` subtracts the aliased bytes.
 
     Returns:
         One :class:`Buffer` per materialised value, then the buffers XLA adds
-        (transposed dot operands, broadcast epilogue operands).
+        (transposed dot operands, broadcast epilogue operands, float32 copies of
+        low-precision dot operands).
     """
     order = list(range(len(graph.nodes))) if order is None else list(order)
+    backend = backend or jax.default_backend()
     owner = materialised(graph)
+    widened = buffer_sizes(graph, owner, backend)
+    size = lambda v: widened.get(v, graph.values[v].nbytes)  # noqa: E731
     srcs = _buffer_sources(graph, owner)
     first_def, last_use = _definitions_and_uses(graph, order, owner, srcs)
     outputs = _output_buffers(graph, order, owner, first_def)
-    reuse_end, in_output = _shared_buffers(graph, order, owner, srcs, last_use, outputs)
+    reuse_end, in_output = _shared_buffers(graph, order, owner, srcs, last_use, outputs, size)
     buffers = _value_buffers(graph, len(order), owner, outputs, first_def, last_use,
-                             reuse_end, in_output)
-    for x in (*transposed_copies(graph, order, owner),
-              *epilogue_broadcasts(graph, order, owner, first_def)):
+                             reuse_end, in_output, size)
+    for x in (*transposed_copies(graph, order, owner, size),
+              *epilogue_broadcasts(graph, order, owner, first_def),
+              *operand_copies(graph, order, owner, backend)):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
     return tuple(buffers)
 
@@ -128,7 +139,8 @@ def _output_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
 
 def _shared_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
                     srcs: Callable[[int], frozenset[int]], last_use: dict[int, int],
-                    outputs: set[int]) -> tuple[dict[int, int], set[int]]:
+                    outputs: set[int], size: Callable[[int], sympy.Expr]
+                    ) -> tuple[dict[int, int], set[int]]:
     """XLA's buffer sharing: an elementwise or in-place op writes into an operand dying there.
 
     Returns:
@@ -151,7 +163,7 @@ def _shared_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
             operands = list(dict.fromkeys(s for i in n.inputs for s in srcs(i)))
             cands = [i for i in operands
                      if owner.get(i, i) == i and i not in inputs and last_use.get(i) == p
-                     and graph.values[i].nbytes == graph.values[o].nbytes
+                     and size(i) == size(o)
                      and i not in reuse_end and i not in outputs]
             if n.kind == "inplace" and n.inputs:
                 first = srcs(n.inputs[0])
@@ -166,7 +178,8 @@ def _shared_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
 
 def _value_buffers(graph: Graph, end: int, owner: dict[int, int], outputs: set[int],
                    first_def: dict[int, int], last_use: dict[int, int],
-                   reuse_end: dict[int, int], in_output: set[int]) -> list[Buffer]:
+                   reuse_end: dict[int, int], in_output: set[int],
+                   size: Callable[[int], sympy.Expr]) -> list[Buffer]:
     """One buffer per materialised value: XLA keeps arguments and outputs for the whole run.
 
     Temporaries live from their writer to their last reader (or until a result
@@ -186,5 +199,5 @@ def _value_buffers(graph: Graph, end: int, owner: dict[int, int], outputs: set[i
         elif owner.get(vid) == vid and vid in first_def and vid not in in_output:
             start = first_def[vid]
             stop = reuse_end.get(vid, last_use.get(vid, start))
-            buffers.append(Buffer(vid, v.nbytes, start, max(stop, start), "temp"))
+            buffers.append(Buffer(vid, size(vid), start, max(stop, start), "temp"))
     return buffers

@@ -126,10 +126,11 @@ class _Body:
     buffers: tuple[sympy.Expr, ...] = ()
 
 
-def _inner(graph: Graph, dom: ShapeDomain, symbolic: bool) -> MemoryModel:
+def _inner(graph: Graph, dom: ShapeDomain, symbolic: bool, backend: str | None
+           ) -> MemoryModel:
     """A body's memory. Its outputs are the loop's state, allocated outside and live
     throughout, so no temporary of the body can sit in them."""
-    return memory_model(graph, dom, symbolic=symbolic, reuse_outputs=False)
+    return memory_model(graph, dom, symbolic=symbolic, reuse_outputs=False, backend=backend)
 
 
 def _largest_point(m: MemoryModel, dom: ShapeDomain) -> tuple[sympy.Expr, ...]:
@@ -143,7 +144,7 @@ def _largest_point(m: MemoryModel, dom: ShapeDomain) -> tuple[sympy.Expr, ...]:
 
 def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = None,
                  donated: Sequence[int] = (), symbolic: bool = True,
-                 reuse_outputs: bool = True) -> MemoryModel:
+                 reuse_outputs: bool = True, backend: str | None = None) -> MemoryModel:
     """The symbolic memory of ``graph`` run in ``order``.
 
     Args:
@@ -156,15 +157,17 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
             written, as XLA's buffer assignment does. The peak is then piecewise
             polynomial (``Piecewise`` where a temporary fits an output only for
             some shapes); False keeps it a ``Max`` of polynomials.
+        backend: the JAX platform whose XLA rules apply (default:
+            ``jax.default_backend()``; see :func:`jaxmem.memory.liveness.liveness`).
 
     Returns:
         A :class:`MemoryModel`.
     """
     order = list(range(len(graph.nodes))) if order is None else list(order)
-    buffers = liveness(graph, order)
+    buffers = liveness(graph, order, backend)
     n = len(order)
     tally: collections.Counter[str] = collections.Counter()
-    bodies = _bodies(graph, order, dom, symbolic)
+    bodies = _bodies(graph, order, dom, symbolic, backend)
     extra = {p: body.temp for p, body in bodies.items()}
     points = _live_points(buffers, extra, n)
     candidates = _frontier(points, dom, tally, symbolic)
@@ -191,7 +194,7 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
 
 
 def _bodies(graph: Graph, order: Sequence[int], dom: ShapeDomain,
-            symbolic: bool) -> dict[int, _Body]:
+            symbolic: bool, backend: str | None) -> dict[int, _Body]:
     """What each control-flow op's bodies need, at the order position of the op.
 
     An op with several bodies (``cond`` branches) needs the largest (a ``Max``). A
@@ -202,7 +205,7 @@ def _bodies(graph: Graph, order: Sequence[int], dom: ShapeDomain,
         node = graph.nodes[ni]
         if not node.subgraphs:
             continue
-        models = [_inner(g, dom, symbolic) for g in node.subgraphs]
+        models = [_inner(g, dom, symbolic, backend) for g in node.subgraphs]
         if len(models) > 1 and node.primitive == "cond":
             out[p] = _Body(sympy.Max(*[m.temp_bytes for m in models]))
             continue

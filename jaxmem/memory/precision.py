@@ -1,0 +1,158 @@
+"""Low-precision dots a backend computes in float32, and the float32 buffers that costs.
+
+Mixed-precision training keeps float32 parameters and runs matmuls in bfloat16.
+XLA's CPU backend has no bfloat16 -> bfloat16 (nor any float16) matmul kernel: its
+float normalization rewrites such a dot to read float32 operands and write a
+float32 result (measured on jax 0.10.2: ``bf16 x bf16 -> bf16`` and every
+``f16`` dot become ``f32 x f32 -> f32``; ``bf16 x bf16 -> f32``, a dot with
+``preferred_element_type=float32``, runs natively on bfloat16 operands). So
+
+* each low-precision operand of such a dot is materialised in float32 (a
+  convert fusion, shared by every dot reading it: XLA's CSE; in a train step the
+  forward and backward dots of a layer share one float32 copy of its weight and
+  of its input). Where nothing else reads the low-precision buffer, its producer
+  fuses into that convert and the float32 buffer replaces it;
+* its result buffer is float32, twice the jaxpr's bytes.
+
+:func:`buffer_sizes` gives the float32 sizes of the buffers replaced or widened,
+:func:`operand_copies` the float32 copies added next to buffers that stay. Other
+backends (GPU, TPU) run bfloat16 dots natively: no rule applies there.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem.graph import build_graph
+    >>> bf = jnp.bfloat16
+    >>> g = build_graph(jax.make_jaxpr(lambda x, w: jnp.sin(x @ w))(
+    ...     jax.ShapeDtypeStruct((8, 16), bf), jax.ShapeDtypeStruct((16, 4), bf)))
+    >>> [g.nodes[i].primitive for i in upcast_dots(g, "cpu")], upcast_dots(g, "gpu")
+    (['dot_general'], ())
+    >>> buffer_sizes(g, {v: v for v in range(len(g.values))}, "cpu")  # the f32 result
+    {2: 128}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import sympy
+
+from jaxmem.graph import Graph
+from jaxmem.memory.fusion import Extra
+
+#: dtypes XLA may widen to float32
+LOW_PRECISION = ("bfloat16", "float16")
+F32_ITEMSIZE = 4
+
+
+def upcast_dots(graph: Graph, backend: str) -> tuple[int, ...]:
+    """Indices of the dots ``backend`` runs in float32 though the jaxpr types them lower.
+
+    Args:
+        graph: the graph.
+        backend: a JAX platform name (``jax.default_backend()``).
+    """
+    if backend != "cpu":
+        return ()
+    out = []
+    for n in graph.nodes:
+        if n.primitive != "dot_general" or not n.outputs or not n.inputs:
+            continue
+        ins = {graph.values[i].dtype for i in n.inputs}
+        result = graph.values[n.outputs[0]].dtype
+        # bf16 x bf16 -> f32 has a kernel; a low-precision result or any f16 has none.
+        if "float16" in ins or (result in LOW_PRECISION and ins & set(LOW_PRECISION)):
+            out.append(n.index)
+    return tuple(out)
+
+
+def _f32_bytes(graph: Graph, v: int) -> sympy.Expr:
+    shape = graph.values[v].shape
+    return sympy.expand(sympy.Mul(*shape) * F32_ITEMSIZE) if shape else sympy.Integer(4)
+
+
+def _readers(graph: Graph, owner: Mapping[int, int], v: int) -> list[int | None]:
+    """Nodes reading ``v`` through views and through transposes folded into dots (None:
+    a view of ``v`` is a program output)."""
+    outputs = set(graph.outputs)
+    out: list[int | None] = []
+    for c in graph.consumers.get(v, ()):
+        n = graph.nodes[c]
+        folded = n.primitive == "transpose" and all(owner.get(o) == -1 for o in n.outputs)
+        if folded or (n.kind == "view" and n.primitive != "optimization_barrier"):
+            for o in n.outputs:
+                out.extend([None] if o in outputs else [])
+                out.extend(_readers(graph, owner, o))
+        else:
+            out.append(c)
+    return out
+
+
+def _low_operands(graph: Graph, owner: Mapping[int, int], dots: Sequence[int]
+                  ) -> dict[int, list[int]]:
+    """Low-precision operand buffers of the upcast ``dots`` -> the dots reading each."""
+    out: dict[int, list[int]] = {}
+    for d in dots:
+        for v in dict.fromkeys(graph.nodes[d].inputs):
+            o = _through_views(graph, owner, v)
+            if graph.values[o].dtype in LOW_PRECISION:
+                out.setdefault(o, []).append(d)
+    return out
+
+
+def _through_views(graph: Graph, owner: Mapping[int, int], v: int) -> int:
+    """The buffer a dot operand is read from (a transpose folded into the dot: its source)."""
+    o = owner.get(v, v)
+    while o == -1:
+        v = graph.nodes[graph.producers[v]].inputs[0]
+        o = owner.get(v, v)
+    return o
+
+
+def _replaced(graph: Graph, owner: Mapping[int, int], o: int, dots: set[int]) -> bool:
+    """Whether the float32 convert replaces buffer ``o``: only upcast dots read it and its
+    producer is elementwise (so it fuses into the convert)."""
+    if o in graph.inputs or o in graph.outputs:
+        return False
+    p = graph.producers.get(o)
+    if p is None or graph.nodes[p].kind != "elementwise":
+        return False
+    return all(r is not None and r in dots for r in _readers(graph, owner, o))
+
+
+def buffer_sizes(graph: Graph, owner: Mapping[int, int], backend: str) -> dict[int, sympy.Expr]:
+    """Buffers ``backend`` keeps in float32 though the jaxpr types them lower: value id ->
+    bytes (results of upcast dots, and operands only upcast dots read)."""
+    dots = upcast_dots(graph, backend)
+    if not dots:
+        return {}
+    sizes: dict[int, sympy.Expr] = {}
+    outputs = set(graph.outputs)
+    for d in dots:
+        w = graph.nodes[d].outputs[0]
+        if graph.values[w].dtype in LOW_PRECISION and w not in outputs:
+            sizes[w] = _f32_bytes(graph, w)
+    chosen = set(dots)
+    for o in _low_operands(graph, owner, dots):
+        if o not in sizes and _replaced(graph, owner, o, chosen):
+            sizes[o] = _f32_bytes(graph, o)
+    return sizes
+
+
+def operand_copies(graph: Graph, order: Sequence[int], owner: Mapping[int, int],
+                   backend: str) -> list[Extra]:
+    """Float32 copies of low-precision dot operands whose own buffer stays (an argument,
+    a buffer other ops read, a dot's result); one per buffer, from the first upcast dot
+    reading it to the last."""
+    dots = upcast_dots(graph, backend)
+    if not dots:
+        return []
+    pos = {n: p for p, n in enumerate(order)}
+    widened = buffer_sizes(graph, owner, backend)
+    chosen = set(dots)
+    out = []
+    for o, readers in _low_operands(graph, owner, dots).items():
+        if o in widened and _replaced(graph, owner, o, chosen):
+            continue
+        at = [pos[d] for d in readers]
+        out.append(Extra(o, _f32_bytes(graph, o), min(at), max(at), "float32 operand copy"))
+    return out

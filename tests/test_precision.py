@@ -1,0 +1,103 @@
+"""``jaxmem.memory.precision``: the low-precision dots XLA's CPU backend runs in float32.
+
+XLA is the oracle: which dots it upcasts is read from the optimized HLO of each
+case, and the float32 buffers the rule adds are checked against XLA's peak of a
+small bf16-compute train step (the figure without the rule must be further off, so
+the check can fail). The bf16 accuracy of whole programs is in ``test_memory.py``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxmem
+from jaxmem.graph import build_graph
+from jaxmem.memory import liveness, memory_model
+from jaxmem.memory.precision import upcast_dots
+from jaxmem.symbolic import ShapeDomain
+
+BF, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+S = jax.ShapeDtypeStruct
+
+cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU rules")
+
+# (name, fn, operand specs): plain, batched and mixed-output dots in each dtype.
+CASES = [
+    (f"{jnp.dtype(dt).name} {kind}", fn, specs)
+    for dt in (BF, F16, F32)
+    for kind, fn, specs in (
+        ("2d", lambda x, w: jnp.sin(x @ w), (S((64, 32), dt), S((32, 16), dt))),
+        ("2d -> f32", lambda x, w: jnp.sin(jnp.matmul(x, w, preferred_element_type=F32)),
+         (S((64, 32), dt), S((32, 16), dt))),
+        ("batched", lambda x, w: jnp.sin(jnp.einsum("bij,bjk->bik", x, w)),
+         (S((4, 64, 32), dt), S((4, 32, 16), dt))),
+    )
+]
+
+
+def _hlo_dot_operand_types(fn, specs) -> list[str]:
+    """Element types of the operands of each dot in XLA's optimized HLO."""
+    txt = jax.jit(fn).lower(*specs).compile().as_text()
+    out = []
+    for a, b in re.findall(r"= \S+ dot\((%[^,]+), (%[^)]+)\)", txt):
+        out += [re.search(re.escape(x) + r" = (\w+)\[", txt).group(1) for x in (a, b)]
+    return out
+
+
+@cpu_only
+@pytest.mark.parametrize(("name", "fn", "specs"), CASES, ids=[c[0] for c in CASES])
+def test_upcast_dots_are_the_ones_xla_cpu_runs_in_float32(name, fn, specs) -> None:
+    g = build_graph(jax.make_jaxpr(fn)(*specs))
+    low = specs[0].dtype != F32
+    xla_upcasts = low and all(t == "f32" for t in _hlo_dot_operand_types(fn, specs))
+    assert bool(upcast_dots(g, "cpu")) == xla_upcasts, name
+
+
+def test_no_rule_off_cpu() -> None:
+    fn, specs = CASES[0][1], CASES[0][2]
+    g = build_graph(jax.make_jaxpr(fn)(*specs))
+    assert upcast_dots(g, "cpu") and upcast_dots(g, "gpu") == ()
+    plain = [b for b in liveness(g, backend="gpu")]
+    assert [b.nbytes for b in plain if b.kind == "temp"] == [
+        g.values[b.value].nbytes for b in plain if b.kind == "temp"]
+
+
+def _bf16_step(x, w1, w2):
+    """Two bf16-compute layers of float32 weights, and their gradients."""
+    def loss(ws, x):
+        h = jnp.tanh(x.astype(BF) @ ws[0].astype(BF))
+        return jnp.mean((h @ ws[1].astype(BF)).astype(F32) ** 2)
+    return jax.grad(loss)((w1, w2), x)
+
+
+@cpu_only
+def test_bf16_train_step_peak_follows_xla_only_with_the_rule() -> None:
+    specs = (S((512, 256), F32), S((256, 1024), F32), S((1024, 256), F32))
+    g = build_graph(jax.make_jaxpr(_bf16_step)(*specs))
+    xla = jaxmem.xla_peak_bytes(jax.jit(_bf16_step).lower(*specs).compile())
+    dom = ShapeDomain.from_constraints((), ())
+    with_rule = int(memory_model(g, dom, backend="cpu").peak_bytes)
+    without = int(memory_model(g, dom, backend="gpu").peak_bytes)
+    err, err_without = abs(with_rule - xla) / xla, abs(without - xla) / xla
+    assert err <= 0.10, (with_rule, xla)
+    assert err < err_without, (with_rule, without, xla)
+
+
+@cpu_only
+def test_a_value_a_reduction_shares_is_materialised() -> None:
+    # LayerNorm: ``x - mean`` feeds the variance reduction and the normalisation;
+    # XLA's CPU backend gives it a buffer (read back by the reduction) on bf16 input.
+    def ln(x):
+        x32 = x.astype(F32)
+        c = x32 - x32.mean(-1, keepdims=True)
+        return (c * jax.lax.rsqrt((c * c).mean(-1, keepdims=True))).astype(x.dtype)
+
+    spec = S((2048, 256), BF)
+    g = build_graph(jax.make_jaxpr(ln)(spec))
+    xla = jaxmem.xla_peak_bytes(jax.jit(ln).lower(spec).compile())
+    pred = int(memory_model(g, ShapeDomain.from_constraints((), ())).peak_bytes)
+    assert abs(pred - xla) / xla <= 0.10, (pred, xla)
