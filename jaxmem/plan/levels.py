@@ -12,7 +12,7 @@ cannot (its bytes are never at the peak) is skipped, which is the BladeDISC++
 idea of deciding rematerialisation by symbolic memory impact. Each level's peak
 is a sympy expression; its guard is ``peak_k(dims) <= budget``: at a call the
 fastest level there (``PlanSet.order_at``) whose guard holds runs. Levels no budget
-would pick anywhere are dropped (:mod:`jaxmem.plan.frontier`).
+would pick anywhere are dropped (:mod:`jaxmem.plan.pareto`).
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -37,7 +37,7 @@ import sympy
 
 from jaxmem.graph import Graph
 from jaxmem.memory import MemoryModel, memory_model
-from jaxmem.plan.frontier import on_frontier
+from jaxmem.plan.pareto import on_frontier
 from jaxmem.plan.level import Level
 from jaxmem.plan.loops import loop_candidates, with_loop_plan
 from jaxmem.plan.offload import Costs, costs_for

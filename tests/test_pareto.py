@@ -7,7 +7,7 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxmem.plan.frontier import on_frontier
+from jaxmem.plan.pareto import on_frontier
 from jaxmem.plan.offload import costs_for
 
 COSTS = costs_for("cpu")
