@@ -33,15 +33,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import fractions
 import functools
 from collections.abc import Sequence
 
 import sympy
 
+from jaxmem.fastexpr import compile_expr
 from jaxmem.graph import Graph
 from jaxmem.memory.liveness import Buffer, liveness
 from jaxmem.memory.reuse import reuse_peak
-from jaxmem.symbolic import Cmp, ShapeDomain, compare, sym
+from jaxmem.symbolic import Cmp, ShapeDomain, compare, is_exact, signs_differ, sym
 
 POINTER_BYTES = 8  # one entry of a tuple's table of buffer pointers (64-bit hosts)
 
@@ -307,6 +309,7 @@ def _frontier(points: list[LinExpr], dom: ShapeDomain, tally: collections.Counte
     # calls: a point kept unpruned only makes the Max longer, never wrong.
     survivors: list[int] = []
     budget = _COMPARE_BUDGET
+    values = _sample_values(points, keep, dom)
     for p in keep:
         expr = _to_expr(points[p])
         dominated = False
@@ -314,6 +317,12 @@ def _frontier(points: list[LinExpr], dom: ShapeDomain, tally: collections.Counte
             if budget <= 0:
                 break
             budget -= 1
+            if signs_differ(values[p], values[q]):
+                # Above at one sample point and below at another: neither can prune the
+                # other, as compare would find after seconds of factoring (an exact
+                # witness, decided at the sample points).
+                tally["fallback"] += 1
+                continue
             c = compare(expr, _to_expr(points[q]), dom, symbolic=symbolic)
             tally[c.decided_by] += 1
             if c.result in (Cmp.LT, Cmp.LE, Cmp.EQ):
@@ -324,3 +333,32 @@ def _frontier(points: list[LinExpr], dom: ShapeDomain, tally: collections.Counte
         if not dominated:
             survivors.append(p)
     return sorted(survivors)
+
+
+def _sample_values(points: list[LinExpr], keep: list[int], dom: ShapeDomain
+                   ) -> dict[int, tuple[int, ...] | None]:
+    """Exact values of the kept points at the domain's sample points (None: not exact)."""
+    samples = dom.sample_points()
+    syms = [sym(n) for n in dom.symbols]
+    monomials: dict[sympy.Expr, tuple[int, ...] | None] = {}
+
+    def at_samples(m: sympy.Expr) -> tuple[int, ...] | None:
+        if m not in monomials:
+            f = compile_expr(syms, m)
+            vals = tuple(f(*[p[n] for n in dom.symbols]) for p in samples)
+            monomials[m] = vals if all(is_exact(v) for v in vals) else None
+        return monomials[m]
+
+    out: dict[int, tuple[int, ...] | None] = {}
+    for p in keep:
+        total = [0] * len(samples)
+        for m, c in points[p].items():
+            vals = at_samples(m)
+            if vals is None or not (isinstance(c, int) or c.is_Rational):
+                total = None
+                break
+            coeff = (c if isinstance(c, int) else int(c) if c.is_Integer
+                     else fractions.Fraction(int(c.p), int(c.q)))
+            total = [t + coeff * v for t, v in zip(total, vals, strict=True)]
+        out[p] = None if total is None else tuple(total)
+    return out
