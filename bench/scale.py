@@ -72,7 +72,7 @@ CASES: dict[str, Callable[[int], Program]] = {
 }
 
 
-def time_case(program: Program, shape: dict[str, int] = SHAPE) -> dict[str, Any]:
+def time_case(program: Program, shape: dict[str, int]) -> dict[str, Any]:
     """Seconds of (a) ``jaxmem.analyze``, (b) plan derivation, (c) XLA's lower and compile.
 
     Example:
@@ -140,16 +140,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     layers = args.layers or (QUICK_LAYERS if args.quick else LAYERS)
     if args.child:
-        print(json.dumps(time_case(CASES[args.child](layers))))
+        print(json.dumps(time_case(CASES[args.child](layers), SHAPE)))
         return 0
     log = TextTable()
-    log(f"{layers} layers at b={SHAPE['b']}, s={SHAPE['s']} (domain b <= {SHAPE['b']}, "
-        f"s <= {SHAPE['s']}); min of {1 if args.quick else args.repeats} run(s)")
+    at = ", ".join(f"{k}={v}" for k, v in SHAPE.items())
+    upto = ", ".join(f"{k} <= {v}" for k, v in SHAPE.items())
+    log(f"{layers} layers at {at} (domain {upto}); min of "
+        f"{1 if args.quick else args.repeats} run(s)")
     log(f"{'case':<11} {'ops':>6} {'lv':>3} {'analyze':>8} {'plans':>8} {'xla':>8} "
         f"{'analyze/xla':>11} {'plans/xla':>9} {'both/xla':>8}")
     results = {}
     for case in args.cases.split(","):
-        runs = ([time_case(CASES[case](layers))] if args.quick
+        runs = ([time_case(CASES[case](layers), SHAPE)] if args.quick
                 else [_fresh(case, layers) for _ in range(args.repeats)])
         r = results[case] = summarize(runs)
         log(f"{case:<11} {r['nodes']:>6} {r['levels']:>3} {r['analyze_s']:>7.2f}s "

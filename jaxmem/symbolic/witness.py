@@ -74,7 +74,7 @@ def lowers_somewhere(new: sympy.Expr, old: sympy.Expr, dom: ShapeDomain, symboli
 
     Example:
         >>> dom = ShapeDomain.from_constraints(("s",), ("s <= 512",))
-        >>> lowers_somewhere(sym("s"), sym("s") ** 2, dom, True, collections.Counter())
+        >>> lowers_somewhere(sym("s") ** 2, sym("s"), dom, True, collections.Counter())
         False
     """
     syms = [sym(n) for n in dom.symbols]
