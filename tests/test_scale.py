@@ -14,8 +14,8 @@ import pytest
 from bench import scale
 from bench.programs import mlp_program
 
-TIMES = ("analyze_s", "plans_s", "lower_s", "compile_s", "xla_s")
-RATIOS = ("analysis_ratio", "plans_ratio", "total_ratio")
+TIMES = ("analyze_s", "plans_s", "lower_s", "compile_s", "xla_s", "analyze_cpu_s", "xla_cpu_s")
+RATIOS = ("analysis_ratio", "plans_ratio", "total_ratio", "total_ratio_cpu")
 
 
 def check(out: dict, cases: list[str]) -> None:
