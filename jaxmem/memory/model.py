@@ -33,17 +33,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import fractions
 import functools
 from collections.abc import Sequence
 
 import sympy
 
-from jaxmem.fastexpr import compile_expr
 from jaxmem.graph import Graph
+from jaxmem.memory.frontier import distinct, sample_values, undominated
 from jaxmem.memory.liveness import Buffer, liveness
 from jaxmem.memory.reuse import reuse_peak
-from jaxmem.symbolic import Cmp, ShapeDomain, compare, is_exact, signs_differ, sym
+from jaxmem.symbolic import Cmp, ShapeDomain, compare, signs_differ, sym
 
 POINTER_BYTES = 8  # one entry of a tuple's table of buffer pointers (64-bit hosts)
 
@@ -105,11 +104,6 @@ def _lin_cached(e: sympy.Expr) -> tuple[tuple[sympy.Expr, sympy.Expr], ...]:
 
 def _to_expr(d: LinExpr) -> sympy.Expr:
     return sympy.Add(*[c * m for m, c in d.items() if c != 0])
-
-
-def _dominates(a: LinExpr, b: LinExpr) -> bool:
-    return all(a.get(m, 0) >= c for m, c in b.items()) and all(
-        c >= 0 or m in b for m, c in a.items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,26 +284,12 @@ def _max(exprs: list[sympy.Expr]) -> sympy.Expr:
 def _frontier(points: list[LinExpr], dom: ShapeDomain, tally: collections.Counter[str],
               symbolic: bool) -> list[int]:
     """Positions whose live bytes may be the maximum somewhere in the domain."""
-    keep: list[int] = []
-    seen: set[frozenset] = set()
-    for p, pt in enumerate(points):
-        key = frozenset(pt.items())
-        if key in seen:
-            continue
-        seen.add(key)
-        if symbolic:
-            if any(_dominates(points[q], pt) for q in keep):
-                tally["symbolic"] += 1
-                continue
-            before = len(keep)
-            keep = [q for q in keep if not _dominates(pt, points[q])]
-            tally["symbolic"] += 1 if before != len(keep) else 0
-        keep.append(p)
+    keep = undominated(points, tally) if symbolic else distinct(points)
     # What dominance cannot settle goes to the comparison oracle, within a budget of
     # calls: a point kept unpruned only makes the Max longer, never wrong.
     survivors: list[int] = []
     budget = _COMPARE_BUDGET
-    values = _sample_values(points, keep, dom)
+    values = sample_values(points, keep, dom)
     for p in keep:
         expr = _to_expr(points[p])
         dominated = False
@@ -333,32 +313,3 @@ def _frontier(points: list[LinExpr], dom: ShapeDomain, tally: collections.Counte
         if not dominated:
             survivors.append(p)
     return sorted(survivors)
-
-
-def _sample_values(points: list[LinExpr], keep: list[int], dom: ShapeDomain
-                   ) -> dict[int, tuple[int, ...] | None]:
-    """Exact values of the kept points at the domain's sample points (None: not exact)."""
-    samples = dom.sample_points()
-    syms = [sym(n) for n in dom.symbols]
-    monomials: dict[sympy.Expr, tuple[int, ...] | None] = {}
-
-    def at_samples(m: sympy.Expr) -> tuple[int, ...] | None:
-        if m not in monomials:
-            f = compile_expr(syms, m)
-            vals = tuple(f(*[p[n] for n in dom.symbols]) for p in samples)
-            monomials[m] = vals if all(is_exact(v) for v in vals) else None
-        return monomials[m]
-
-    out: dict[int, tuple[int, ...] | None] = {}
-    for p in keep:
-        total = [0] * len(samples)
-        for m, c in points[p].items():
-            vals = at_samples(m)
-            if vals is None or not (isinstance(c, int) or c.is_Rational):
-                total = None
-                break
-            coeff = (c if isinstance(c, int) else int(c) if c.is_Integer
-                     else fractions.Fraction(int(c.p), int(c.q)))
-            total = [t + coeff * v for t, v in zip(total, vals, strict=True)]
-        out[p] = None if total is None else tuple(total)
-    return out
