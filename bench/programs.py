@@ -234,13 +234,15 @@ def gpt_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
 def gpt_scan_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
                      max_b: int = 16, max_s: int = 512,
                      remat_policy: Callable[..., Any] | None = None,
-                     dtype: Any = jnp.float32) -> Program:
+                     dtype: Any = jnp.float32, d_ff: int | None = None) -> Program:
     """:func:`gpt_program` with ``lax.scan`` over stacked layer parameters (how MaxText
     and Levanter write it); ``remat_policy`` wraps the scanned body in ``jax.checkpoint``;
-    ``dtype``: the compute dtype, as for :func:`gpt_program`.
+    ``dtype``: the compute dtype, as for :func:`gpt_program`; ``d_ff`` is the MLP's
+    inner width (default ``4 * d``).
     """
-    block = {"ln1": _ln_params(d), "ln2": _ln_params(d), "fc": _dense(None, d, 4 * d),
-             "proj": _dense(None, 4 * d, d), "qkv": _dense(None, d, 3 * d),
+    ff = d_ff or 4 * d
+    block = {"ln1": _ln_params(d), "ln2": _ln_params(d), "fc": _dense(None, d, ff),
+             "proj": _dense(None, ff, d), "qkv": _dense(None, d, 3 * d),
              "out": _dense(None, d, d)}
     stacked = jax.tree_util.tree_map(
         lambda t: jax.ShapeDtypeStruct((layers, *t.shape), t.dtype), block)

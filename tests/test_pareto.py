@@ -7,8 +7,8 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxmem.plan.pareto import on_frontier
 from jaxmem.plan.offload import costs_for
+from jaxmem.plan.pareto import on_frontier
 
 COSTS = costs_for("cpu")
 

@@ -39,9 +39,10 @@ from collections.abc import Sequence
 import sympy
 
 from jaxmem.graph import Graph
+from jaxmem.memory.frontier import distinct, sample_values, undominated
 from jaxmem.memory.liveness import Buffer, liveness
 from jaxmem.memory.reuse import reuse_peak
-from jaxmem.symbolic import Cmp, ShapeDomain, compare, sym
+from jaxmem.symbolic import Cmp, ShapeDomain, compare, signs_differ, sym
 
 POINTER_BYTES = 8  # one entry of a tuple's table of buffer pointers (64-bit hosts)
 
@@ -103,11 +104,6 @@ def _lin_cached(e: sympy.Expr) -> tuple[tuple[sympy.Expr, sympy.Expr], ...]:
 
 def _to_expr(d: LinExpr) -> sympy.Expr:
     return sympy.Add(*[c * m for m, c in d.items() if c != 0])
-
-
-def _dominates(a: LinExpr, b: LinExpr) -> bool:
-    return all(a.get(m, 0) >= c for m, c in b.items()) and all(
-        c >= 0 or m in b for m, c in a.items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,25 +287,12 @@ def _max(exprs: list[sympy.Expr]) -> sympy.Expr:
 def _frontier(points: list[LinExpr], dom: ShapeDomain, tally: collections.Counter[str],
               symbolic: bool) -> list[int]:
     """Positions whose live bytes may be the maximum somewhere in the domain."""
-    keep: list[int] = []
-    seen: set[frozenset] = set()
-    for p, pt in enumerate(points):
-        key = frozenset(pt.items())
-        if key in seen:
-            continue
-        seen.add(key)
-        if symbolic:
-            if any(_dominates(points[q], pt) for q in keep):
-                tally["symbolic"] += 1
-                continue
-            before = len(keep)
-            keep = [q for q in keep if not _dominates(pt, points[q])]
-            tally["symbolic"] += 1 if before != len(keep) else 0
-        keep.append(p)
+    keep = undominated(points, tally) if symbolic else distinct(points)
     # What dominance cannot settle goes to the comparison oracle, within a budget of
     # calls: a point kept unpruned only makes the Max longer, never wrong.
     survivors: list[int] = []
     budget = _COMPARE_BUDGET
+    values = sample_values(points, keep, dom)
     for p in keep:
         expr = _to_expr(points[p])
         dominated = False
@@ -317,6 +300,12 @@ def _frontier(points: list[LinExpr], dom: ShapeDomain, tally: collections.Counte
             if budget <= 0:
                 break
             budget -= 1
+            if signs_differ(values[p], values[q]):
+                # Above at one sample point and below at another: neither can prune the
+                # other, as compare would find after seconds of factoring (an exact
+                # witness, decided at the sample points).
+                tally["fallback"] += 1
+                continue
             c = compare(expr, _to_expr(points[q]), dom, symbolic=symbolic)
             tally[c.decided_by] += 1
             if c.result in (Cmp.LT, Cmp.LE, Cmp.EQ):

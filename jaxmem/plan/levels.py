@@ -37,10 +37,10 @@ import sympy
 
 from jaxmem.graph import Graph
 from jaxmem.memory import MemoryModel, memory_model
-from jaxmem.plan.pareto import on_frontier
 from jaxmem.plan.level import Level
 from jaxmem.plan.loops import loop_candidates, with_loop_plan
 from jaxmem.plan.offload import Costs, costs_for
+from jaxmem.plan.pareto import on_frontier
 from jaxmem.plan.remat import apply_remat, offload_chains, recompute_chains
 from jaxmem.plan.residuals import Residual, find_residuals
 from jaxmem.plan.scan_pairs import find_scan_pairs

@@ -28,7 +28,7 @@ import sympy
 
 from jaxmem.graph import Graph, Node, Value
 from jaxmem.plan.offload import transfer_eqn
-from jaxmem.plan.residuals import Residual, find_residuals, recompute_chain
+from jaxmem.plan.residuals import HEAVY_KINDS, Residual, find_residuals, recompute_chain
 
 Chain = tuple[int, ...]  # indices of the forward nodes one residual's rewrite re-runs
 
@@ -57,8 +57,11 @@ def recompute_chains(graph: Graph, recompute: Iterable[Residual],
         return []
     kept = (_live_anyway(graph, residuals) | set(keep)) - set(chosen)
     out = []
+    # A chain that is not cheap is dropped: the walk may stop as soon as it is not.
+    bound = None if long_chains else _MAX_HEAVY
     for r in chosen.values():
-        chains = [recompute_chain(graph, v, kept) for v in (r.value, *r.aliases)]
+        chains = [recompute_chain(graph, v, kept, bound, r.producer)
+                  for v in (r.value, *r.aliases)]
         if all(c is not None for c in chains):
             chain = tuple(sorted({i for c in chains for i in c}))  # type: ignore[union-attr]
             if long_chains or _cheap(graph, chain, r):
@@ -225,8 +228,11 @@ class _Rewrite:
             local.update(zip(src.outputs, outs, strict=True))
 
 
-def _cheap(graph: Graph, chain: tuple[int, ...], r: Residual, max_heavy: int = 2) -> bool:
+_MAX_HEAVY = 2
+
+
+def _cheap(graph: Graph, chain: tuple[int, ...], r: Residual,
+           max_heavy: int = _MAX_HEAVY) -> bool:
     """At most ``max_heavy`` materialising ops besides the residual's own producer."""
-    heavy = [i for i in chain if graph.nodes[i].kind in ("opaque", "control", "inplace")
-             and i != r.producer]
+    heavy = [i for i in chain if graph.nodes[i].kind in HEAVY_KINDS and i != r.producer]
     return len(heavy) <= max_heavy

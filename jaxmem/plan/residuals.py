@@ -153,10 +153,17 @@ def find_residuals(graph: Graph) -> tuple[Residual, ...]:
     return tuple(out)
 
 
-def recompute_chain(graph: Graph, value: int, leaves: set[int]) -> tuple[int, ...] | None:
-    """Forward nodes that recompute ``value`` from ``leaves``; None when impossible."""
+def recompute_chain(graph: Graph, value: int, leaves: set[int], max_heavy: int | None = None,
+                    besides: int | None = None) -> tuple[int, ...] | None:
+    """Forward nodes that recompute ``value`` from ``leaves``; None when impossible.
+
+    With ``max_heavy``, also None as soon as the chain holds more than that many
+    materialising ops (:data:`HEAVY_KINDS`) other than node ``besides``: a caller
+    that rejects such chains as too long is spared the walk back through whole layers.
+    """
     producers = graph.producers
     nodes = graph.nodes
+    heavy = 0
     need: set[int] = set()
     stack = [value]
     seen: set[int] = set()
@@ -175,10 +182,17 @@ def recompute_chain(graph: Graph, value: int, leaves: set[int]) -> tuple[int, ..
             return None  # only plain forward ops are recomputed
         if n.primitive in _RANDOM:
             return None
+        if max_heavy is not None and p != besides and p not in need and n.kind in HEAVY_KINDS:
+            heavy += 1
+            if heavy > max_heavy:
+                return None
         need.add(p)
         stack.extend(n.inputs)
     return tuple(sorted(need))
 
+
+#: Node kinds that materialise their result from memory: what makes a chain expensive.
+HEAVY_KINDS = frozenset(("opaque", "control", "inplace"))
 
 _RANDOM = frozenset("rng_bit_generator rng_uniform random_bits threefry2x32 "
                     "pure_callback io_callback".split())

@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
 import fractions
@@ -28,7 +27,6 @@ from typing import Any
 import sympy
 
 from jaxmem.dims import sym
-from jaxmem.fastexpr import compile_expr
 from jaxmem.symbolic.domain import ShapeDomain
 
 
@@ -367,32 +365,3 @@ def _compare_diff(diff: sympy.Expr, dom: ShapeDomain, symbolic: bool) -> Compari
         if c is not None:
             return c
     return _sampled(diff, dom)
-
-
-_NON_POLYNOMIAL = (sympy.Piecewise, sympy.Min, sympy.floor, sympy.Mod)
-
-
-def lowers_somewhere(new: sympy.Expr, old: sympy.Expr, dom: ShapeDomain, symbolic: bool,
-                     tally: collections.Counter[str]) -> bool:
-    """Whether ``new`` is below ``old`` somewhere in the domain.
-
-    Polynomials and maxima of polynomials are compared symbolically. Peaks with
-    piecewise steps (output-buffer reuse) would make sympy expand huge
-    differences, so those are compared numerically at the domain's sample
-    points (corners included) and counted as ``fallback``.
-
-    Example:
-        >>> import collections
-        >>> dom = ShapeDomain.from_constraints(("s",), ("s <= 512",))
-        >>> lowers_somewhere(sym("s") ** 2, 128 * sym("s"), dom, True, collections.Counter())
-        True
-    """
-    if symbolic and not (new.has(*_NON_POLYNOMIAL) or old.has(*_NON_POLYNOMIAL)):
-        c = compare(new, old, dom, symbolic=True)
-        tally[c.decided_by] += 1
-        return c.result not in (Cmp.GE, Cmp.GT, Cmp.EQ)
-    tally["fallback"] += 1
-    syms = [sym(n) for n in dom.symbols]
-    f_new, f_old = compile_expr(syms, new), compile_expr(syms, old)
-    return any(f_new(*[p[n] for n in dom.symbols]) < f_old(*[p[n] for n in dom.symbols])
-               for p in dom.sample_points())

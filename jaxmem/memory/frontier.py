@@ -1,0 +1,136 @@
+"""The cheap passes of the memory model's frontier: dominance and values at sample points.
+
+The frontier keeps the program points whose live bytes may be the maximum
+somewhere in the domain. A point whose every coefficient (over monomials of the
+dims, each >= 1 on the domain) is at most another's can never be: the
+:func:`undominated` pass drops those, in one sequential sweep, as a matrix of
+integer coefficients where it can (a train step of 22 layers has about ten
+thousand points and was spending most of its memory-model time in per-pair
+dictionary comparisons). :func:`sample_values` gives the exact value of each
+remaining point at the domain's sample points, so that pairs whose order
+changes between two sample points need no sympy comparison
+(:func:`jaxmem.symbolic.signs_differ`).
+
+Example:
+    >>> import collections, sympy
+    >>> b = sympy.Symbol("b")
+    >>> points = [{b: 4}, {b: 2, sympy.Integer(1): 1}, {b: 4}, {b: 8}]
+    >>> undominated(points, collections.Counter())
+    [1, 3]
+"""
+
+from __future__ import annotations
+
+import collections
+import fractions
+from collections.abc import Sequence
+
+import numpy as np
+import sympy
+
+from jaxmem.fastexpr import compile_expr
+from jaxmem.symbolic import ShapeDomain, is_exact, sym
+
+LinExpr = dict[sympy.Expr, sympy.Expr]  # monomial -> coefficient; all monomials are >= 1
+
+
+def dominates(a: LinExpr, b: LinExpr) -> bool:
+    """Whether ``a >= b`` coefficient by coefficient (so everywhere on the domain)."""
+    return all(a.get(m, 0) >= c for m, c in b.items()) and all(
+        c >= 0 or m in b for m, c in a.items())
+
+
+def distinct(points: Sequence[LinExpr]) -> list[int]:
+    """Positions of the first occurrence of each distinct point."""
+    seen: set[frozenset] = set()
+    out = []
+    for p, pt in enumerate(points):
+        key = frozenset(pt.items())
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+def undominated(points: Sequence[LinExpr], tally: collections.Counter[str]) -> list[int]:
+    """Distinct positions that no later-kept position dominates, in program order.
+
+    A sweep in program order: a point dominated by one kept so far is dropped, else
+    it drops the kept points it dominates and is kept. Each drop counts as one
+    ``symbolic`` decision. With integer coefficients the sweep runs on an ``int64``
+    matrix (``dominates`` is a row-wise ``>=`` there); otherwise on the dictionaries.
+    """
+    order = distinct(points)
+    matrix = _coefficients(points, order)
+    keep: list[int] = []
+    if matrix is None:
+        for p in order:
+            if any(dominates(points[q], points[p]) for q in keep):
+                tally["symbolic"] += 1
+                continue
+            before = len(keep)
+            keep = [q for q in keep if not dominates(points[p], points[q])]
+            tally["symbolic"] += 1 if before != len(keep) else 0
+            keep.append(p)
+        return keep
+    rows = np.zeros(0, dtype=np.int64)  # rows of ``matrix`` kept so far
+    for i in range(len(order)):
+        kept, row = matrix[rows], matrix[i]
+        if (kept >= row).all(axis=1).any():
+            tally["symbolic"] += 1
+            continue
+        below = (row >= kept).all(axis=1)
+        if below.any():
+            rows = rows[~below]
+            tally["symbolic"] += 1
+        rows = np.append(rows, i)
+    return [order[i] for i in rows]
+
+
+def _coefficients(points: Sequence[LinExpr], order: Sequence[int]) -> np.ndarray | None:
+    """``[len(order), monomials]`` integer coefficients, or None if one is not an integer
+    that fits in ``int64``."""
+    monomials: dict[sympy.Expr, int] = {}
+    for p in order:
+        for m in points[p]:
+            monomials.setdefault(m, len(monomials))
+    out = np.zeros((len(order), max(len(monomials), 1)), dtype=np.int64)
+    limit = 2 ** 62
+    for i, p in enumerate(order):
+        for m, c in points[p].items():
+            if not (isinstance(c, int) or getattr(c, "is_Integer", False)):
+                return None
+            value = int(c)
+            if abs(value) >= limit:
+                return None
+            out[i, monomials[m]] = value
+    return out
+
+
+def sample_values(points: Sequence[LinExpr], keep: Sequence[int], dom: ShapeDomain
+                  ) -> dict[int, tuple[int, ...] | None]:
+    """Exact values of the kept points at the domain's sample points (None: not exact)."""
+    samples = dom.sample_points()
+    syms = [sym(n) for n in dom.symbols]
+    monomials: dict[sympy.Expr, tuple[int, ...] | None] = {}
+
+    def at_samples(m: sympy.Expr) -> tuple[int, ...] | None:
+        if m not in monomials:
+            f = compile_expr(syms, m)
+            vals = tuple(f(*[p[n] for n in dom.symbols]) for p in samples)
+            monomials[m] = vals if all(is_exact(v) for v in vals) else None
+        return monomials[m]
+
+    out: dict[int, tuple[int, ...] | None] = {}
+    for p in keep:
+        total: list | None = [0] * len(samples)
+        for m, c in points[p].items():
+            vals = at_samples(m)
+            if vals is None or not (isinstance(c, int) or c.is_Rational):
+                total = None
+                break
+            coeff = (c if isinstance(c, int) else int(c) if c.is_Integer
+                     else fractions.Fraction(int(c.p), int(c.q)))
+            total = [t + coeff * v for t, v in zip(total, vals, strict=True)]
+        out[p] = None if total is None else tuple(total)
+    return out
