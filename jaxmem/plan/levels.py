@@ -365,15 +365,12 @@ class _Greedy:
 
     def keep_lowering(self, candidates: list[Level], margin: float = 0.0) -> None:
         """Appends, cheapest first, each candidate whose peak at some sampled shape is below
-        every level's so far by more than ``margin`` of it (and that re-runs more than the
-        greedy chain's last level)."""
-        greedy_flops = float(self.levels[-1].recompute_flops.subs(self.corner))
+        every level's so far by more than ``margin`` of it (whatever it re-runs: the
+        Pareto pass drops the levels a cheaper and smaller one makes useless)."""
         points = self.dom.sample_points()
         self.tally["fallback"] += len(candidates)
         for level in sorted(candidates, key=lambda lv: float(lv.recompute_flops.subs(
                 self.corner))):
-            if float(level.recompute_flops.subs(self.corner)) < greedy_flops:
-                continue  # the greedy chain already holds the cheaper plans
             if any(level.peak_fn(p) < (1 - margin) * min(lv.peak_fn(p) for lv in self.levels)
                    for p in points):
                 self.levels.append(level)
