@@ -43,7 +43,8 @@ LR = 1e-3  # the families' AdamW learning rate
 #: |predicted / XLA - 1| of every level. The issue's bound is 10 %; on these tiny
 #: programs (a few hundred KiB, where XLA's fixed buffers weigh most) it does not hold
 #: everywhere: gpt-scan 1x16 at b=2, s=8, level 0 is 17.8 % high (measured). What
-#: holds is asserted; the events count the examples within 3 % and within 10 %.
+#: holds is asserted; the events count the examples within 3 %, 10 % and 20 %. The
+#: 200-example form (one run): median 2.2 %, worst 17.0 %, 181 of 200 within 10 %.
 BOUND = 0.20
 #: |lowest scanned / lowest unrolled - 1| (XLA's peaks)
 TWIN_BOUND = 0.10
@@ -94,7 +95,7 @@ def reference(name: str, layers: int, d: int) -> Any:
     return jax.jit(family(name, layers, d)[0])  # compiles once per shape
 
 
-@functools.cache
+@functools.lru_cache(maxsize=24)  # bounded: hundreds of live executables exhaust LLVM's
 def level(name: str, layers: int, d: int, b: int, s: int, k: int) -> jaxmem.Plan:
     _, state, planned = family(name, layers, d)
     return planned.compile_level(k, state, _tokens(b, s, 0))
