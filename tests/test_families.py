@@ -95,7 +95,7 @@ def reference(name: str, layers: int, d: int) -> Any:
     return jax.jit(family(name, layers, d)[0])  # compiles once per shape
 
 
-@functools.lru_cache(maxsize=24)  # bounded: hundreds of live executables exhaust LLVM's
+@functools.lru_cache(maxsize=24)  # bounded: ~200 live executables ran LLVM out of memory
 def level(name: str, layers: int, d: int, b: int, s: int, k: int) -> jaxmem.Plan:
     _, state, planned = family(name, layers, d)
     return planned.compile_level(k, state, _tokens(b, s, 0))
