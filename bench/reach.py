@@ -13,7 +13,9 @@ process, as ratios to the per-layer checkpoint.
 Programs: ``gpt``, the plain-JAX GPT of :mod:`bench.programs` (Python loop over
 layers, no named scopes); ``gpt-scan``, the same with ``lax.scan`` over stacked
 layer parameters; ``linen``, a Flax linen decoder written here (``nn.remat`` as the
-hand policy), and ``linen-scan``, the same with its blocks under ``nn.scan``; and
+hand policy), and ``linen-scan``, the same with its blocks under ``nn.scan``; ``nnx``,
+a Flax NNX decoder (:mod:`bench.nnx_decoders`, ``nnx.remat`` as the hand policy), and
+``nnx-scan``, its twin with layers stacked by ``nnx.vmap`` and run by ``nnx.scan``; and
 ``llama``, the project's Flax NNX tiny Llama.
 """
 
@@ -140,6 +142,20 @@ def linen_scan_case(b: int, s: int, layers: int, d: int) -> dict[str, Any]:
     return _linen_case(f"Flax linen decoder {layers}x{d} under nn.scan", make, b, s)
 
 
+def nnx_case(b: int, s: int, layers: int, d: int, scan: bool = False) -> dict[str, Any]:
+    """A Flax NNX decoder (``scan``: layers stacked by ``nnx.vmap``, run by ``nnx.scan``);
+    the hand policy is ``nnx.remat`` of each block."""
+    from bench.nnx_decoders import nnx_decoder_step
+
+    step, state, _ = nnx_decoder_step(layers, d, scan)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (b, s)), jnp.int32)
+    name = f"Flax NNX decoder {layers}x{d}" + (" under nnx.scan" if scan else "")
+    return {"name": name, "step": step,
+            "hand": {k: nnx_decoder_step(layers, d, scan, v)[0] for k, v in POLICIES.items()},
+            "args": (state, tokens), "constraints": (f"b <= {b}", f"s <= {s}"),
+            "poly": (None, "b, s")}
+
+
 def llama_case(b: int, s: int) -> dict[str, Any]:
     """The project's Flax NNX tiny Llama on the built-in data."""
     from bench.workload import build_workload
@@ -226,12 +242,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small shapes (CI-sized)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--programs", default="gpt,gpt-scan,linen,linen-scan,llama")
+    ap.add_argument("--programs", default="gpt,gpt-scan,linen,linen-scan,nnx,nnx-scan,llama")
     add_output_arguments(ap, "reach.json")
     a = ap.parse_args(argv)
     size = (2, 64, 3, 64) if a.quick else (4, 256, 4, 256)
     cases = {"gpt": lambda: gpt_case(*size), "gpt-scan": lambda: gpt_case(*size, scan=True),
              "linen": lambda: linen_case(*size), "linen-scan": lambda: linen_scan_case(*size),
+             "nnx": lambda: nnx_case(*size), "nnx-scan": lambda: nnx_case(*size, scan=True),
              "llama": lambda: llama_case(*((2, 64) if a.quick else (8, 512)))}
     log = TextTable()
     rows = [measure(cases[name](), a.repeats, log) for name in a.programs.split(",")]
