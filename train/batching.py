@@ -44,7 +44,52 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-class LengthGroupedBatcher:
+class BatchPlan:
+    """What every batch plan shares: its epochs (one cached), steps and padded shapes.
+
+    A subclass sets ``lengths``, ``pad_multiple`` and ``bucket_cap`` and provides
+    ``batches_per_epoch`` and ``_plan(epoch)``, the example indices of every batch of
+    one epoch in run order.
+    """
+
+    lengths: np.ndarray
+    pad_multiple: int
+    bucket_cap: int | None
+    _epochs: dict[int, tuple[np.ndarray, ...]]
+
+    @property
+    def batches_per_epoch(self) -> int:
+        raise NotImplementedError
+
+    def _plan(self, epoch: int) -> tuple[np.ndarray, ...]:
+        raise NotImplementedError
+
+    def epoch(self, epoch: int) -> tuple[np.ndarray, ...]:
+        """Example indices of every batch of ``epoch``, in the order they are run."""
+        if epoch not in self._epochs:
+            self._epochs = {epoch: self._plan(epoch)}  # keep only the current epoch
+        return self._epochs[epoch]
+
+    def batch_indices(self, step: int) -> np.ndarray:
+        """Example indices of the batch run at 0-based ``step``."""
+        epoch, i = divmod(step, self.batches_per_epoch)
+        return self.epoch(epoch)[i]
+
+    def pad_length(self, length: int) -> int:
+        """``length`` rounded up to the pad multiple, then to its bucket (if any)."""
+        length = round_up(length, self.pad_multiple)
+        return length if self.bucket_cap is None else bucket_length(length, self.bucket_cap)
+
+    def padded_length(self, indices: np.ndarray) -> int:
+        """Length the batch of ``indices`` is padded to."""
+        return self.pad_length(int(self.lengths[indices].max()))
+
+    def batch_shape(self, indices: np.ndarray) -> tuple[int, int]:
+        """``(rows, positions per row)`` of the batch of ``indices``: one example per row."""
+        return len(indices), self.padded_length(indices)
+
+
+class LengthGroupedBatcher(BatchPlan):
     """Deterministic, infinitely repeating plan of length-grouped batches.
 
     Args:
@@ -85,12 +130,6 @@ class LengthGroupedBatcher:
         """Number of (full) batches in one epoch."""
         return len(self.lengths) // self.batch_size
 
-    def epoch(self, epoch: int) -> tuple[np.ndarray, ...]:
-        """Example indices of every batch of ``epoch``, in the order they are run."""
-        if epoch not in self._epochs:
-            self._epochs = {epoch: self._plan(epoch)}  # keep only the current epoch
-        return self._epochs[epoch]
-
     def _plan(self, epoch: int) -> tuple[np.ndarray, ...]:
         rng = np.random.default_rng([self.seed, epoch])
         order = rng.permutation(len(self.lengths))[: self.batches_per_epoch * self.batch_size]
@@ -101,20 +140,6 @@ class LengthGroupedBatcher:
             chunk = chunk[np.argsort(self.lengths[chunk], kind="stable")]
             batches.extend(np.split(chunk, len(chunk) // self.batch_size))
         return tuple(batches[i] for i in rng.permutation(len(batches)))
-
-    def batch_indices(self, step: int) -> np.ndarray:
-        """Example indices of the batch run at 0-based ``step``."""
-        epoch, i = divmod(step, self.batches_per_epoch)
-        return self.epoch(epoch)[i]
-
-    def padded_length(self, indices: np.ndarray) -> int:
-        """Length the batch of ``indices`` is padded to."""
-        length = round_up(int(self.lengths[indices].max()), self.pad_multiple)
-        return length if self.bucket_cap is None else bucket_length(length, self.bucket_cap)
-
-    def batch_shape(self, indices: np.ndarray) -> tuple[int, int]:
-        """``(rows, positions per row)`` of the batch of ``indices``: one example per row."""
-        return len(indices), self.padded_length(indices)
 
 
 def collate(

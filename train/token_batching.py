@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from train.batching import bucket_length, round_up
+from train.batching import BatchPlan
 
 
 def budget_cuts(sorted_padded: np.ndarray, max_tokens: int, max_batch: int) -> np.ndarray:
@@ -70,10 +70,10 @@ def budget_cuts(sorted_padded: np.ndarray, max_tokens: int, max_batch: int) -> n
     return np.asarray(sizes, np.int64)
 
 
-class TokenBudgetBatcher:
+class TokenBudgetBatcher(BatchPlan):
     """Deterministic, infinitely repeating plan of batches with ``rows * padded_len <= T``.
 
-    The same interface as :class:`train.batching.LengthGroupedBatcher` (``epoch``,
+    A :class:`train.batching.BatchPlan`, as :class:`train.batching.LengthGroupedBatcher` (``epoch``,
     ``batches_per_epoch``, ``batch_indices``, ``padded_length``, ``batch_shape``).
 
     Args:
@@ -101,7 +101,7 @@ class TokenBudgetBatcher:
             raise ValueError("no examples to batch")
         self.max_tokens, self.max_batch, self.seed = max_tokens, max_batch, seed
         self.pad_multiple, self.bucket_cap = pad_multiple, bucket_cap
-        padded = np.array([self._pad(int(n)) for n in self.lengths], np.int64)
+        padded = np.array([self.pad_length(int(n)) for n in self.lengths], np.int64)
         over = np.flatnonzero(padded > max_tokens)
         if len(over):
             i = int(over[np.argmax(padded[over])])
@@ -112,20 +112,10 @@ class TokenBudgetBatcher:
         self._sizes = budget_cuts(np.sort(padded), max_tokens, max_batch)
         self._epochs: dict[int, tuple[np.ndarray, ...]] = {}
 
-    def _pad(self, length: int) -> int:
-        length = round_up(length, self.pad_multiple)
-        return length if self.bucket_cap is None else bucket_length(length, self.bucket_cap)
-
     @property
     def batches_per_epoch(self) -> int:
         """Number of batches in every epoch (the same each epoch)."""
         return len(self._sizes)
-
-    def epoch(self, epoch: int) -> tuple[np.ndarray, ...]:
-        """Example indices of every batch of ``epoch``, in the order they are run."""
-        if epoch not in self._epochs:
-            self._epochs = {epoch: self._plan(epoch)}  # keep only the current epoch
-        return self._epochs[epoch]
 
     def _plan(self, epoch: int) -> tuple[np.ndarray, ...]:
         rng = np.random.default_rng([self.seed, epoch])
@@ -134,27 +124,11 @@ class TokenBudgetBatcher:
         batches = np.split(order, np.cumsum(self._sizes)[:-1])
         return tuple(batches[i] for i in rng.permutation(len(batches)))
 
-    def batch_indices(self, step: int) -> np.ndarray:
-        """Example indices of the batch run at 0-based ``step``."""
-        epoch, i = divmod(step, self.batches_per_epoch)
-        return self.epoch(epoch)[i]
-
-    def padded_length(self, indices: np.ndarray) -> int:
-        """Length the batch of ``indices`` is padded to."""
-        return self._pad(int(self.lengths[indices].max()))
-
-    def batch_shape(self, indices: np.ndarray) -> tuple[int, int]:
-        """``(rows, positions per row)`` of the batch of ``indices``: one example per row."""
-        return len(indices), self.padded_length(indices)
-
     def describe(self) -> dict[str, object]:
         """The plan's settings and the spread of its batch shapes (the same every epoch)."""
-        shapes = [self.batch_shape(b) for b in self.epoch(0)]
-        rows, lens = [b for b, _ in shapes], [s for _, s in shapes]
         return {"max_tokens": self.max_tokens, "max_batch": self.max_batch,
                 "batches_per_epoch": self.batches_per_epoch,
-                "b_min": min(rows), "b_max": max(rows), "s_min": min(lens), "s_max": max(lens),
-                "tokens_max": max(b * s for b, s in shapes), "distinct_shapes": len(set(shapes))}
+                **shape_spread(self, self.batches_per_epoch)}
 
 
 def shape_spread(batcher: Any, steps: int,

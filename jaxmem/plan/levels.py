@@ -152,9 +152,11 @@ class PlanSet:
         return 0 if smallest is None else smallest.level
 
 
-def _plan_key(level: Level) -> tuple[frozenset[int], frozenset[int]]:
-    return (frozenset(r.value for r in level.residuals),
-            frozenset(r.value for r in level.offloaded))
+PlanKey = tuple[frozenset[int], frozenset[int]]  # values recomputed, values offloaded
+
+
+def _plan_key(recomputed: Sequence[Residual], offloaded: Sequence[Residual]) -> PlanKey:
+    return frozenset(r.value for r in recomputed), frozenset(r.value for r in offloaded)
 
 
 def _efficiency(graph: Graph, chosen: list[Residual], group: list[Residual],
@@ -225,7 +227,7 @@ def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
     for r in residuals:
         groups.setdefault(r.group, []).append(r)
     base = memory_model(graph, dom, donated=donated, symbolic=symbolic)
-    models: dict[tuple[frozenset[int], frozenset[int]], tuple[Graph, MemoryModel]] = {}
+    models: dict[PlanKey, tuple[Graph, MemoryModel]] = {}
     # One greedy chain per extreme shape: where b*s <= T binds, the matmul-heavy and the
     # attention-heavy ends of the domain rank the groups differently.
     chains = [_Greedy(graph, dom, residuals, base, costs, symbolic=symbolic, donated=donated,
@@ -265,8 +267,7 @@ class _Greedy:
     def __init__(self, graph: Graph, dom: ShapeDomain, residuals: Sequence[Residual],
                  base: MemoryModel, costs: Costs, *, symbolic: bool, donated: tuple[int, ...],
                  offload: bool, corner: dict[sympy.Symbol, int],
-                 models: dict[tuple[frozenset[int], frozenset[int]], tuple[Graph, MemoryModel]]
-                 ) -> None:
+                 models: dict[PlanKey, tuple[Graph, MemoryModel]]) -> None:
         self.graph, self.dom, self.residuals, self.costs = graph, dom, residuals, costs
         self.models = models  # shared by the chains: one memory model per plan
         self.symbolic, self.donated, self.offload = symbolic, donated, offload
@@ -314,7 +315,7 @@ class _Greedy:
         """Adds a level with ``group`` (and the small groups waiting) if it lowers the peak."""
         trial = self.chosen + self.small + (list(group) if how == "recompute" else [])
         trial_moved = self.moved + (tuple(group) if how == "offload" else ())
-        key = (frozenset(r.value for r in trial), frozenset(r.value for r in trial_moved))
+        key = _plan_key(trial, trial_moved)
         if key not in self.models:
             g2 = apply_remat(self.graph, trial, trial_moved, self.residuals)
             self.models[key] = g2, memory_model(g2, self.dom, donated=self.donated,
@@ -333,8 +334,9 @@ class _Greedy:
 
     def adopt(self, levels: Sequence[Level], tally: collections.Counter[str]) -> None:
         """Takes another chain's levels (those not already held) and its decision counts."""
-        held = {_plan_key(lv) for lv in self.levels}
-        self.levels.extend(lv for lv in levels if _plan_key(lv) not in held)
+        held = {_plan_key(lv.residuals, lv.offloaded) for lv in self.levels}
+        self.levels.extend(lv for lv in levels
+                           if _plan_key(lv.residuals, lv.offloaded) not in held)
         self.tally.update(tally)
 
     def add_segment_levels(self) -> None:

@@ -196,6 +196,15 @@ class ShapeDomain:
             largest shapes along them (:meth:`extreme_points` and points between),
             then log-uniform random points that satisfy them.
         """
+        if (n, seed) == (48, 0):  # the points every stage asks for: drawn once
+            return [dict(p) for p in self._default_samples]
+        return self._draw_samples(n, seed)
+
+    @functools.cached_property
+    def _default_samples(self) -> tuple[dict[str, int], ...]:
+        return tuple(self._draw_samples(48, 0))
+
+    def _draw_samples(self, n: int, seed: int) -> list[dict[str, int]]:
         rng = random.Random(seed)
         low, high = self.smallest_corner(), self.corner()
         corners = [dict(zip(self.symbols, c, strict=True))
