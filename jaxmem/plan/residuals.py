@@ -4,9 +4,11 @@ A residual is a materialised value made by a forward operation (JAX's name stack
 says ``jvp(...)``) and read by a backward one (``transpose(...)``). Each can be
 saved (the default), or recomputed just before its first backward use from
 values that are saved anyway. Residuals are grouped by what they are across
-layers (same primitive, same symbolic size, same scope with layer numbers
-erased), so that plans speak of "the attention probabilities of every layer",
-not of value 1234.
+layers: same primitive, same scope with layer numbers erased, and the same
+computation pattern (the primitives, ranks and dtypes of the operations that make
+it, a few steps back), so that plans speak of "the attention probabilities of
+every layer", not of value 1234 — in a plain Python loop over layers without
+``jax.named_scope`` as much as in a named one; names only make the labels nicer.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
+from typing import Any
 
 import sympy
 
@@ -70,11 +74,47 @@ class Residual:
     recompute_nodes: tuple[int, ...]
     recompute_flops: sympy.Expr
     aliases: tuple[int, ...] = ()
+    role: str = ""
 
     @property
     def group(self) -> str:
         """A name shared by the same residual of every layer."""
-        return f"{_LAYER.sub('*', self.scope)}:{self.primitive}"
+        return f"{_LAYER.sub('*', self.scope)}:{self.primitive}{self.role}"
+
+
+def _pattern(graph: Graph, r: Residual) -> tuple[Any, ...]:
+    """What computation makes ``r`` and what reads it, one operation either side: the
+    primitives, ranks and dtypes, never sizes (a concrete trace must give its twin the
+    same patterns) and never further away (a layer's first op reads the previous layer,
+    the first layer's reads the embedding: one step keeps the pattern inside the layer)."""
+    value = graph.values[r.value]
+    producers, nodes = graph.producers, graph.nodes
+    made_from = sorted({nodes[producers[u]].primitive if u in producers else "input"
+                        for u in nodes[r.producer].inputs})
+    # Sets, not counts: the first layer's backward reads less (no input gradient).
+    read_by = sorted({nodes[i].primitive for i in graph.consumers.get(r.value, ())})
+    return len(value.shape), value.dtype, tuple(made_from), tuple(read_by)
+
+
+def _roles(graph: Graph, residuals: Sequence[Residual]) -> list[Residual]:
+    """``residuals`` with a role where residuals of one label (scope and primitive)
+    play different parts (:func:`_pattern`): ``(dot_general,add)`` after the label
+    names the operations that make the residual's inputs, ``#k`` where those clash."""
+    by_label: dict[str, dict[Any, list[int]]] = {}
+    for k, r in enumerate(residuals):
+        by_label.setdefault(r.group, {}).setdefault(_pattern(graph, r), []).append(k)
+    out = list(residuals)
+    for patterns in by_label.values():
+        if len(patterns) < 2:
+            continue
+        hints: dict[str, int] = {}
+        for pattern, members in patterns.items():
+            hint = f"({','.join(pattern[2])})"
+            hints[hint] = hints.get(hint, 0) + 1
+            role = hint if hints[hint] == 1 else f"{hint}#{hints[hint]}"
+            for m in members:
+                out[m] = dataclasses.replace(out[m], role=role)
+    return out
 
 
 def _sources(graph: Graph, owner: dict[int, int], v: int) -> set[int]:
@@ -150,7 +190,7 @@ def find_residuals(graph: Graph) -> tuple[Residual, ...]:
         p = producers[v]
         out.append(Residual(v, p, nodes[p].primitive, clean_scope(nodes[p].scope),
                             graph.values[v].nbytes, first, chain, flops, al))
-    return tuple(out)
+    return tuple(_roles(graph, out))
 
 
 def recompute_chain(graph: Graph, value: int, leaves: set[int], max_heavy: int | None = None,
