@@ -44,11 +44,7 @@ from jaxmem.plan.pareto import on_frontier
 from jaxmem.plan.remat import apply_remat, offload_chains, recompute_chains
 from jaxmem.plan.residuals import Residual, find_residuals
 from jaxmem.plan.scan_pairs import find_scan_pairs
-from jaxmem.plan.segments import (
-    find_segments,
-    segment_candidates,
-    segment_residuals,
-)
+from jaxmem.plan.segment_levels import segment_levels
 from jaxmem.plan.select import select_level
 from jaxmem.symbolic import ShapeDomain, lowers_somewhere, sym
 from jaxmem.units import human_bytes
@@ -251,6 +247,9 @@ def plan_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
     search.add_segment_levels()
     search.add_loop_levels(greedy)
     levels = on_frontier(search.levels, dom.sample_points(), costs, search.tally)
+    # Largest first at the first extreme shape, so that level k+1 is the smaller one.
+    anchor = dom.extreme_points()[0]
+    levels = (levels[0], *sorted(levels[1:], key=lambda lv: -lv.peak_fn(anchor)))
     for k, v in base.comparisons:
         search.tally[k] += v
     return PlanSet(dom, tuple((n, tuple(groups[n])) for n in search.order), levels,
@@ -340,30 +339,13 @@ class _Greedy:
         self.tally.update(tally)
 
     def add_segment_levels(self) -> None:
-        """Appends the segment plans that are the fastest fitting plan for some budget
-        somewhere: each must have a lower peak, at some sampled shape, than every level
-        that re-runs less."""
-        segs = find_segments(self.graph, self.corner)
-        if len(segs.cuts) < 2:
-            return
-        candidates = []
-        for plan in (p.resolved(segs) for p in segment_candidates(len(segs.cuts))):
-            chosen, keep = segment_residuals(self.graph, segs, plan, self.residuals)
-            chains = recompute_chains(self.graph, chosen, self.residuals, keep, True)
-            if not chains:
-                continue
-            g2 = apply_remat(self.graph, chosen, (), self.residuals, keep, True)
-            # Without output reuse: a segment plan's peak falls late in the backward pass,
-            # where XLA keeps its temporaries out of the output buffers (plain-JAX GPT
-            # 4x256 at (4, 256): -20 % against XLA with reuse, -4.6 % without).
-            m = memory_model(g2, self.dom, donated=self.donated, symbolic=self.symbolic,
-                             reuse_outputs=False)
-            nodes = {i for _, c in chains for i in c}
-            flops = sympy.Add(*[self.graph.nodes[i].flops for i in nodes])
-            names = tuple(dict.fromkeys(r.group for r, _ in chains))
-            candidates.append(Level(names, tuple(r for r, _ in chains), g2, m, flops,
-                                    segments=plan))
-        self.keep_lowering(candidates)
+        """Appends the segment plans (:mod:`jaxmem.plan.segment_levels`) that lower the
+        peak somewhere below every level that re-runs less, and those keeping roles
+        (left to the Pareto pass: they trade bytes for re-run time)."""
+        plain, keeping = segment_levels(self.graph, self.dom, self.residuals, self.corner,
+                                        self.donated, self.symbolic)
+        self.keep_lowering(plain)
+        self.levels.extend(keeping)
 
     def keep_lowering(self, candidates: list[Level], margin: float = 0.0) -> None:
         """Appends, cheapest first, each candidate whose peak at some sampled shape is below

@@ -70,8 +70,9 @@ class SegmentPlan:
     Attributes:
         count: how many segments of about equal forward FLOPs to cut the forward pass
             into (at most one per cut).
-        save: primitives whose outputs stay saved inside a segment (``dot_general``:
-            matmul outputs, as ``dots_saveable``).
+        save: primitives (``dot_general``: matmul outputs, as ``dots_saveable``) or
+            residual groups (roles, :mod:`jaxmem.plan.knapsack`) whose values stay saved
+            inside a segment.
         kept: indices into the symbolic trace's cuts of the cuts kept, and
         n_cuts: how many cuts that trace has; both set by :meth:`resolved`, once, so
             that every concrete trace keeps the same cuts.
@@ -85,6 +86,8 @@ class SegmentPlan:
     @property
     def name(self) -> str:
         what = f"segments/{self.count}"
+        if len(self.save) > 2:
+            return what + f" saving {len(self.save)} roles"
         return what + (f" saving {'+'.join(sorted(self.save))}" if self.save else "")
 
     def resolved(self, segments: Segments) -> SegmentPlan:
@@ -162,7 +165,7 @@ def segment_residuals(graph: Graph, segments: Segments, plan: SegmentPlan,
     ``segments`` are ``graph``'s own cuts; ``plan.kept`` indexes them.
 
     Every forward residual is recomputed from the arguments and the kept cuts,
-    except kept cuts, shared values and the outputs of ``plan.save``'s primitives. Residuals of
+    except kept cuts, shared values and what ``plan.save`` names. Residuals of
     one segment are rebuilt together (their first use is the segment's earliest),
     so the segment's forward pass runs once before its backward pass.
     """
@@ -171,7 +174,8 @@ def segment_residuals(graph: Graph, segments: Segments, plan: SegmentPlan,
     starts = [graph.producers[v] for v in cuts]
     members: dict[int, list[Residual]] = collections.defaultdict(list)
     for r in residuals:
-        if r.value in keep or r.primitive in plan.save or graph.nodes[r.producer].is_backward:
+        if (r.value in keep or r.primitive in plan.save or r.group in plan.save
+                or graph.nodes[r.producer].is_backward):
             continue
         members[bisect.bisect_right(starts, r.producer)].append(r)
     chosen = []
