@@ -84,3 +84,27 @@ def test_xla_keeps_the_recomputation_only_with_the_cpu_option():
     if jax.default_backend() == "cpu":
         assert "cse_barrier_expander" in compiler_options()["xla_disable_hlo_passes"]
         assert merged_back >= recomputed
+
+
+def test_backward_values_live_at_a_rebuild_are_read_from_its_barrier():
+    # XLA may not fuse a running gradient sum past a rebuild into one late consumer
+    # (which would keep every layer's recomputed values alive): after each barrier, the
+    # backward pass reads the values live there only through it.
+    graph, flat = grad_graph()
+    rewritten = apply_remat(graph, [r for r in find_residuals(graph) if r.primitive == "logistic"])
+    producers = rewritten.producers
+    barriers = [n for n in rewritten.nodes if n.primitive == "optimization_barrier"]
+    pinned = 0
+    for barrier in barriers:
+        before = {v for n in rewritten.nodes[:barrier.index] if n.is_backward for v in n.outputs}
+        later_reads = {v for n in rewritten.nodes[barrier.index + 1:] if n.is_backward
+                       for v in n.inputs}
+        assert not (before & later_reads - set(barrier.inputs)), barrier
+        assert not (later_reads & set(barrier.inputs) & before)  # read as barrier outputs
+        pinned += len(set(barrier.inputs) & before)
+    assert pinned >= len(barriers) - 1  # the first may come before any gradient
+    assert all(v in producers for b in barriers for v in b.outputs)
+    want = jax.jit(as_function(graph))(*flat)
+    got = jax.jit(as_function(rewritten))(*flat)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -73,7 +73,7 @@ def test_lowest_level_matches_per_layer_checkpoint_and_computes_the_same(program
     plan = f.compile_level(k, *args)
     print(f"\nlowest level {k} ({plans.levels[k].segments}): XLA {plan.peak_bytes} B, "
           f"predicted {plan.predicted_peak_bytes} B; per-layer checkpoint {checkpointed_peak} B")
-    assert plan.peak_bytes <= 1.05 * checkpointed_peak
+    assert plan.peak_bytes <= checkpointed_peak  # at least as small as the hand policy
     want = jax.jit(program.step)(*args)
     for a, b in zip(jax.tree_util.tree_leaves(plan.run(*args)), jax.tree_util.tree_leaves(want),
                     strict=True):
