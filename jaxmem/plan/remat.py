@@ -41,8 +41,8 @@ def _live_anyway(graph: Graph, residuals: Sequence[Residual] | None) -> set[int]
 
 def recompute_chains(graph: Graph, recompute: Iterable[Residual],
                      residuals: Sequence[Residual] | None = None,
-                     keep: Collection[int] = (), long_chains: bool = False
-                     ) -> list[tuple[Residual, Chain]]:
+                     keep: Collection[int] = (), long_chains: bool = False,
+                     only: Collection[int] | None = None) -> list[tuple[Residual, Chain]]:
     """The residuals that will really be recomputed, each with the forward nodes it re-runs.
 
     Chains start from values that stay live anyway (inputs, constants, residuals
@@ -50,7 +50,8 @@ def recompute_chains(graph: Graph, recompute: Iterable[Residual],
     whose chain cannot be built stays saved, and so does one whose chain is long
     (more than a few materialising ops) unless ``long_chains`` (a segment plan
     re-runs whole layers on purpose). ``residuals`` is :func:`find_residuals` of
-    ``graph``, when the caller has it.
+    ``graph``, when the caller has it. ``only`` (value ids): return just these
+    residuals' chains (the others still count as recomputed, not as sources).
     """
     chosen = {r.value: r for r in recompute}
     if not chosen:
@@ -60,6 +61,8 @@ def recompute_chains(graph: Graph, recompute: Iterable[Residual],
     # A chain that is not cheap is dropped: the walk may stop as soon as it is not.
     bound = None if long_chains else _MAX_HEAVY
     for r in chosen.values():
+        if only is not None and r.value not in only:
+            continue
         chains = [recompute_chain(graph, v, kept, bound, r.producer)
                   for v in (r.value, *r.aliases)]
         if all(c is not None for c in chains):
