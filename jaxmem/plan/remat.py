@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Collection, Iterable, Sequence
 
 import sympy
@@ -156,15 +155,22 @@ class _Rewrite:
         """A new value shaped like ``like`` (taking no device bytes on the host); its id."""
         v = self.values[like]
         vid = len(self.values)
-        self.values.append(dataclasses.replace(v, id=vid, nbytes=sympy.Integer(0), host=True)
-                           if on_host else dataclasses.replace(v, id=vid))
+        # Direct construction: dataclasses.replace was most of a rewrite's time.
+        self.values.append(Value(vid, v.shape, v.dtype, sympy.Integer(0), True) if on_host
+                           else Value(vid, v.shape, v.dtype, v.nbytes, v.host))
         return vid
 
     def emit(self, node: Node, inputs: list[int], operands: list[int | None],
-             outputs: list[int]) -> None:
-        """Appends ``node`` reading and writing the given values."""
-        self.nodes.append(dataclasses.replace(node, index=len(self.nodes), inputs=tuple(inputs),
-                                              operands=tuple(operands), outputs=tuple(outputs)))
+             outputs: list[int], scope: str | None = None) -> None:
+        """Appends ``node`` reading and writing the given values (``node`` itself if unchanged)."""
+        index, ins, ops, outs = len(self.nodes), tuple(inputs), tuple(operands), tuple(outputs)
+        if (index == node.index and ins == node.inputs and ops == node.operands
+                and outs == node.outputs and scope is None):
+            self.nodes.append(node)  # the forward pass, before any block: shared, not copied
+            return
+        self.nodes.append(Node(index, node.primitive, node.kind, ins, outs,
+                               node.scope if scope is None else scope, node.subgraphs,
+                               node.flops, node.params, node.eqn, ops))
 
     def transfer(self, src: int, original: int, to_host: bool, scope: str) -> int:
         """A ``device_put`` of ``src`` to host or device memory; the copy's value id."""
@@ -227,7 +233,7 @@ class _Rewrite:
             outs = [self.new_value(o) for o in src.outputs]
             ins = [local.get(v, v) for v in src.inputs]
             ops = [None if o is None else local.get(o, o) for o in src.operands]
-            self.emit(dataclasses.replace(src, scope=src.scope + "/remat"), ins, ops, outs)
+            self.emit(src, ins, ops, outs, src.scope + "/remat")
             local.update(zip(src.outputs, outs, strict=True))
 
 
