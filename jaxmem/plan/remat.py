@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection, Iterable, Sequence
 
 import sympy
@@ -56,14 +57,14 @@ def recompute_chains(graph: Graph, recompute: Iterable[Residual],
     if not chosen:
         return []
     kept = (_live_anyway(graph, residuals) | set(keep)) - set(chosen)
+    memo = chain_memo(graph)
     out = []
     # A chain that is not cheap is dropped: the walk may stop as soon as it is not.
     bound = None if long_chains else _MAX_HEAVY
     for r in chosen.values():
         if only is not None and r.value not in only:
             continue
-        chains = [recompute_chain(graph, v, kept, bound, r.producer)
-                  for v in (r.value, *r.aliases)]
+        chains = [memo.chain(graph, v, kept, bound, r.producer) for v in (r.value, *r.aliases)]
         if all(c is not None for c in chains):
             chain = tuple(sorted({i for c in chains for i in c}))  # type: ignore[union-attr]
             if long_chains or _cheap(graph, chain, r):
@@ -84,12 +85,73 @@ def offload_chains(graph: Graph, offload: Iterable[Residual],
     if not rs:
         return []
     kept = _live_anyway(graph, residuals)
+    memo = chain_memo(graph)
     out = []
     for r in rs:
-        chains = [recompute_chain(graph, a, kept) for a in r.aliases]
+        chains = [memo.chain(graph, a, kept) for a in r.aliases]
         if all(c is not None for c in chains):
             out.append((r, tuple(sorted({i for c in chains for i in c}))))  # type: ignore[union-attr]
     return out
+
+
+class ChainMemo:
+    """The :func:`~jaxmem.plan.residuals.recompute_chain` walks made on one graph, reused
+    where their answer cannot differ.
+
+    A plan search asks for the chain of the same residual against saved sets that
+    differ only in residuals far from it. A walk depends on the saved set only
+    through the values it visits (each either stops the walk or is rebuilt), so a
+    found chain is reused whenever every value it visited has the same membership
+    as when it was found; anything else walks again (failed walks are not kept).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxmem.graph import build_graph
+        >>> f = lambda w, x: jnp.tanh(jnp.tanh(x @ w) @ w).sum()
+        >>> g = build_graph(jax.make_jaxpr(jax.grad(f))(jnp.ones((4, 4)), jnp.ones((2, 4))))
+        >>> r = find_residuals(g)[-1]
+        >>> memo = ChainMemo()
+        >>> memo.chain(g, r.value, set(g.inputs)) == recompute_chain(g, r.value, set(g.inputs))
+        True
+    """
+
+    def __init__(self) -> None:
+        # Not the graph itself: the memo lives while its graph does (see chain_memo).
+        # (value, max_heavy, besides) -> [(chain, visited values in the saved set, the rest)]
+        self.found: dict[tuple[int, int | None, int | None],
+                         list[tuple[Chain, frozenset[int], frozenset[int]]]] = {}
+
+    def chain(self, graph: Graph, value: int, leaves: set[int], max_heavy: int | None = None,
+              besides: int | None = None) -> Chain | None:
+        """``recompute_chain(graph, value, leaves, max_heavy, besides)``."""
+        key = (value, max_heavy, besides)
+        entries = self.found.setdefault(key, [])
+        for chain, stops, rebuilt in entries:
+            if stops <= leaves and rebuilt.isdisjoint(leaves):
+                return chain
+        chain = recompute_chain(graph, value, leaves, max_heavy, besides)
+        if chain is not None:
+            nodes = graph.nodes
+            visited = {v for i in chain for v in nodes[i].inputs} - {value}
+            stops = frozenset(v for v in visited if v in leaves)
+            entries.insert(0, (chain, stops, frozenset(visited - stops)))
+            del entries[_MEMO_ENTRIES:]
+        return chain
+
+
+_MEMO_ENTRIES = 4  # chains kept per residual: the searches alternate between a few
+_MEMOS: dict[int, tuple[weakref.ref, ChainMemo]] = {}
+
+
+def chain_memo(graph: Graph) -> ChainMemo:
+    """The :class:`ChainMemo` of ``graph``: one per live graph object, dropped with it."""
+    entry = _MEMOS.get(id(graph))
+    if entry is not None and entry[0]() is graph:
+        return entry[1]
+    key = id(graph)
+    memo = ChainMemo()
+    _MEMOS[key] = (weakref.ref(graph, lambda _: _MEMOS.pop(key, None)), memo)
+    return memo
 
 
 def apply_remat(graph: Graph, recompute: Iterable[Residual],
