@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -92,13 +93,14 @@ def live_table(buffers: Sequence[Buffer], extra: Mapping[int, sympy.Expr], n: in
 
     def add(e: sympy.Expr, row: int, sign: int) -> bool:
         nonlocal total
-        for m, c in linear_terms(e):
-            if not (isinstance(c, int) or getattr(c, "is_Integer", False)):
-                return False
+        terms = _integer_terms(e)
+        if terms is None:
+            return False
+        for m, c in terms:
             rows.append(row)
             cols.append(columns.setdefault(m, len(columns)))
-            vals.append(sign * int(c))
-            total += abs(int(c))
+            vals.append(sign * c)
+            total += abs(c)
         return True
 
     for buf in buffers:
@@ -125,6 +127,15 @@ def live_table(buffers: Sequence[Buffer], extra: Mapping[int, sympy.Expr], n: in
                            np.array(cols[deltas:], dtype=np.int64)),
                   np.array(vals[deltas:], dtype=np.int64))
     return PointTable(list(columns), np.ascontiguousarray(points))
+
+
+@functools.lru_cache(maxsize=65536)
+def _integer_terms(e: sympy.Expr) -> tuple[tuple[sympy.Expr, int], ...] | None:
+    """``linear_terms(e)`` with Python int coefficients; None if one is not an integer."""
+    terms = linear_terms(e)
+    if not all(isinstance(c, int) or getattr(c, "is_Integer", False) for _, c in terms):
+        return None
+    return tuple((m, int(c)) for m, c in terms)
 
 
 def distinct_rows(matrix: np.ndarray) -> list[int]:
