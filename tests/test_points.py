@@ -87,10 +87,11 @@ def test_non_integer_or_huge_coefficients_are_left_to_the_dictionaries() -> None
     assert isinstance(live_table([], {}, 0), PointTable)
 
 
-def gpt_graph():
-    from bench.programs import gpt_program
+def gpt_graph(scanned: bool = False):
+    from bench.programs import gpt_program, gpt_scan_program
 
-    p = gpt_program(layers=2, d=64, heads=2, vocab=64, max_b=8, max_s=64)
+    make = gpt_scan_program if scanned else gpt_program
+    p = make(layers=2, d=64, heads=2, vocab=64, max_b=8, max_s=64)
     g = build_graph(jax.make_jaxpr(p.step)(*p.symbolic_args()))
     return g, ShapeDomain.from_constraints(p.symbols, p.constraints)
 
@@ -106,16 +107,18 @@ def test_memory_model_is_the_same_with_and_without_the_table(monkeypatch) -> Non
     assert fast.timeline == slow.timeline
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_every_level_predicts_what_a_fresh_memory_model_does(offload) -> None:
-    """The planner's models (shared between chains, built on rewritten graphs) are the
-    ones :func:`memory_model` builds from scratch on each level's graph, at every
-    sample point."""
-    g, dom = gpt_graph()
+@pytest.mark.parametrize(("offload", "scanned"), [(False, False), (True, False), (False, True)])
+def test_every_level_predicts_what_a_fresh_memory_model_does(offload, scanned) -> None:
+    """The planner's models (shared between chains, built on rewritten graphs, with the
+    scan bodies' models cached) are the ones :func:`memory_model` builds from scratch
+    on each level's graph, at every sample point."""
+    g, dom = gpt_graph(scanned)
+    model_module.forget_body_models()
     plans = plan_levels(g, dom, donated=(0,), offload=offload)
     assert len(plans.levels) > 1
     points = dom.sample_points()
     for level in plans.levels:
+        model_module.forget_body_models()  # from scratch: no body's model reused
         fresh = memory_model(level.graph, dom, donated=(0,),
                              reuse_outputs=level.memory.reuse_outputs)
         fn = compile_expr([sym(n) for n in dom.symbols], fresh.peak_bytes)  # subs: minutes

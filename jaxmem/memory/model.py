@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import weakref
 from collections.abc import Sequence
 
 import sympy
@@ -126,8 +127,26 @@ class _Body:
 def _inner(graph: Graph, dom: ShapeDomain, symbolic: bool, backend: str | None
            ) -> MemoryModel:
     """A body's memory. Its outputs are the loop's state, allocated outside and live
-    throughout, so no temporary of the body can sit in them."""
-    return memory_model(graph, dom, symbolic=symbolic, reuse_outputs=False, backend=backend)
+    throughout, so no temporary of the body can sit in them.
+
+    One model per body graph object: the candidate plans of a scanned step share
+    their bodies with the step they rewrite, which re-derived each body's model."""
+    key = (id(graph), dom, symbolic, backend)
+    hit = _BODY_MODELS.get(key)
+    if hit is not None and hit[0]() is graph:
+        return hit[1]
+    m = memory_model(graph, dom, symbolic=symbolic, reuse_outputs=False, backend=backend)
+    _BODY_MODELS[key] = (weakref.ref(graph, lambda _: _BODY_MODELS.pop(key, None)), m)
+    return m
+
+
+_BODY_MODELS: dict[tuple, tuple[weakref.ref, MemoryModel]] = {}  # see _inner
+
+
+def forget_body_models() -> None:
+    """Drops the control-flow bodies' cached models (each is also dropped with its graph),
+    so that the next :func:`memory_model` derives them afresh."""
+    _BODY_MODELS.clear()
 
 
 def _largest_point(m: MemoryModel, dom: ShapeDomain) -> tuple[sympy.Expr, ...]:
