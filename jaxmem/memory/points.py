@@ -85,47 +85,33 @@ def live_table(buffers: Sequence[Buffer], extra: Mapping[int, sympy.Expr], n: in
 
     A temporary counts from its ``start`` to its ``end`` inclusive.
     """
-    columns: dict[sympy.Expr, int] = {}
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[int] = []
-    total = 0
-
-    def add(e: sympy.Expr, row: int, sign: int) -> bool:
-        nonlocal total
-        terms = _integer_terms(e)
-        if terms is None:
-            return False
-        for m, c in terms:
-            rows.append(row)
-            cols.append(columns.setdefault(m, len(columns)))
-            vals.append(sign * c)
-            total += abs(c)
-        return True
-
-    for buf in buffers:
-        if buf.kind != "temp":
-            continue
-        # Python indexing as a list of n + 2 slots would: a start of -1 lands past the end.
-        start = buf.start if buf.start >= 0 else n + 2 + buf.start
-        if not (add(buf.nbytes, start, 1) and add(buf.nbytes, buf.end + 1, -1)):
-            return None
-    deltas = len(rows)
-    for p, e in extra.items():
-        if not add(e, p, 1):
-            return None
-    if total >= LIMIT:
+    temps = [b for b in buffers if b.kind == "temp"]
+    sizes: dict[sympy.Expr, int] = {}  # distinct sizes: a train step has a few hundred
+    which = [sizes.setdefault(b.nbytes, len(sizes)) for b in temps]
+    terms = [_integer_terms(e) for e in (*sizes, *extra.values())]
+    if any(t is None for t in terms):
         return None
-    width = max(len(columns), 1)
-    live = np.zeros((n + 2, width), dtype=np.int64)
-    np.add.at(live, (np.array(rows[:deltas], dtype=np.int64),
-                     np.array(cols[:deltas], dtype=np.int64)),
-              np.array(vals[:deltas], dtype=np.int64))
+    absolute = [sum(abs(c) for _, c in t) for t in terms]  # type: ignore[union-attr]
+    if 2 * sum(absolute[i] for i in which) + sum(absolute[len(sizes):]) >= LIMIT:
+        return None
+    columns: dict[sympy.Expr, int] = {}
+    for t in terms:
+        for m, _ in t:  # type: ignore[union-attr]
+            columns.setdefault(m, len(columns))
+    coeffs = np.zeros((len(terms), max(len(columns), 1)), dtype=np.int64)
+    for i, t in enumerate(terms):
+        for m, c in t:  # type: ignore[union-attr]
+            coeffs[i, columns[m]] += c
+    live = np.zeros((n + 2, coeffs.shape[1]), dtype=np.int64)
+    if temps:
+        rows = coeffs[np.array(which, dtype=np.int64)]
+        # Python indexing as a list of n + 2 slots would: a start of -1 lands past the end.
+        starts = np.array([b.start for b in temps], dtype=np.int64) % (n + 2)
+        np.add.at(live, starts, rows)
+        np.subtract.at(live, np.array([b.end + 1 for b in temps], dtype=np.int64), rows)
     points = np.cumsum(live, axis=0)[:n]
-    if len(rows) > deltas:
-        np.add.at(points, (np.array(rows[deltas:], dtype=np.int64),
-                           np.array(cols[deltas:], dtype=np.int64)),
-                  np.array(vals[deltas:], dtype=np.int64))
+    for i, p in enumerate(extra):
+        points[p] += coeffs[len(sizes) + i]
     return PointTable(list(columns), np.ascontiguousarray(points))
 
 
