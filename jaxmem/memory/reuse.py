@@ -265,9 +265,7 @@ def reuse_peak(temps: Sequence[tuple[sympy.Expr, int, int]],
     groups = list(dict.fromkeys(k for k, _ in outputs))
     if n_points == 0:
         return sympy.Integer(0), ()
-    # Column by hash (list.index compared sympy sizes one by one, for every temporary).
-    class_col = {e: i for i, e in enumerate(classes)}
-    group_col = {k: i for i, k in enumerate(groups)}
+    class_col, group_col = _columns(classes), _columns(groups)
     counts = _intervals(n_points, len(classes), [(class_col[e], s, t) for e, s, t in temps])
     free = _intervals(n_points, len(groups),
                       [(group_col[k], 0, w - 1) for k, w in outputs if w > 0])
@@ -302,6 +300,12 @@ def reuse_peak(temps: Sequence[tuple[sympy.Expr, int, int]],
     exprs = list(dict.fromkeys(exprs))
     temp = exprs[0] if len(exprs) == 1 else lattice(sympy.Max, exprs)
     return temp, tuple(chosen)
+
+
+def _columns(keys: Sequence[sympy.Expr]) -> dict[sympy.Expr, int]:
+    """Each key's position, found by hash (``list.index`` compared sympy sizes one by one,
+    for every temporary of a 22-layer step)."""
+    return {k: i for i, k in enumerate(keys)}
 
 
 #: Relative slack of the candidate search: a program point stands in for another
