@@ -25,6 +25,7 @@ from jaxmem.errors import ShapeOutOfRangeError
 from jaxmem.fastexpr import compile_expr
 from jaxmem.graph import Graph, build_graph
 from jaxmem.memory import MemoryModel, memory_model
+from jaxmem.perf import gc_paused
 from jaxmem.symbolic import ShapeDomain, sym
 from jaxmem.trace import Traced, trace
 
@@ -118,6 +119,7 @@ def _domain_text(dom: ShapeDomain) -> str:
     return ", ".join(parts + [c.text for c in dom.constraints])
 
 
+@gc_paused()
 def analyze(fn: Callable[..., Any], *specs: Any, symbolic: bool = True) -> Report:
     """Symbolic memory analysis of ``fn`` over every shape its specs allow.
 

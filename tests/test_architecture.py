@@ -20,7 +20,7 @@ PACKAGES = ("jaxmem", "hlo_passes", "models", "train", "bench")
 #: its own stage or earlier ones. Stage 0 is the vocabulary every stage speaks.
 STAGES: tuple[tuple[str, ...], ...] = (
     ("jaxmem.errors", "jaxmem.units", "jaxmem.dims", "jaxmem.fastexpr", "jaxmem.exprjson",
-     "jaxmem.regions", "jaxmem.grad"),
+     "jaxmem.regions", "jaxmem.grad", "jaxmem.perf"),
     ("jaxmem.trace",),
     ("jaxmem.graph",),
     ("jaxmem.symbolic",),

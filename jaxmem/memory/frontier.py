@@ -29,6 +29,7 @@ import numpy as np
 import sympy
 
 from jaxmem.fastexpr import compile_expr
+from jaxmem.memory.points import PointTable, distinct_rows
 from jaxmem.symbolic import ShapeDomain, is_exact, sym
 
 LinExpr = dict[sympy.Expr, sympy.Expr]  # monomial -> coefficient; all monomials are >= 1
@@ -73,8 +74,21 @@ def undominated(points: Sequence[LinExpr], tally: collections.Counter[str]) -> l
             tally["symbolic"] += 1 if before != len(keep) else 0
             keep.append(p)
         return keep
+    return [order[i] for i in _sweep(matrix, tally)]
+
+
+def undominated_table(table: PointTable, tally: collections.Counter[str]) -> list[int]:
+    """:func:`undominated` of a :class:`~jaxmem.memory.points.PointTable`'s points,
+    on its matrix (no dictionaries built; :func:`~jaxmem.memory.points.live_table` keeps
+    its entries below ``2**62``, as :func:`undominated` requires)."""
+    order = distinct_rows(table.matrix)
+    return [order[i] for i in _sweep(table.matrix[order], tally)]
+
+
+def _sweep(matrix: np.ndarray, tally: collections.Counter[str]) -> list[int]:
+    """Rows of ``matrix`` that no later-kept row dominates (the sweep of :func:`undominated`)."""
     rows = np.zeros(0, dtype=np.int64)  # rows of ``matrix`` kept so far
-    for i in range(len(order)):
+    for i in range(len(matrix)):
         kept, row = matrix[rows], matrix[i]
         if (kept >= row).all(axis=1).any():
             tally["symbolic"] += 1
@@ -84,7 +98,7 @@ def undominated(points: Sequence[LinExpr], tally: collections.Counter[str]) -> l
             rows = rows[~below]
             tally["symbolic"] += 1
         rows = np.append(rows, i)
-    return [order[i] for i in rows]
+    return [int(i) for i in rows]
 
 
 def _coefficients(points: Sequence[LinExpr], order: Sequence[int]) -> np.ndarray | None:

@@ -111,14 +111,15 @@ def _definitions_and_uses(graph: Graph, order: Sequence[int], owner: dict[int, i
     """Where XLA allocates each buffer (its first writer) and frees it (after its last reader)."""
     last_use: dict[int, int] = {}
     first_def: dict[int, int] = {}
+    nodes = graph.nodes
     for p, ni in enumerate(order):
-        n = graph.nodes[ni]
+        n = nodes[ni]
         for i in n.inputs:
             for s in srcs(i):
-                last_use[s] = max(last_use.get(s, -1), p)
+                last_use[s] = p  # positions only grow: the latest reader is the last
         for o in n.outputs:
-            if owner.get(o) == o:
-                first_def.setdefault(o, p)
+            if o not in first_def and owner.get(o) == o:
+                first_def[o] = p
     return first_def, last_use
 
 

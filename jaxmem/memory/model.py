@@ -34,13 +34,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import weakref
 from collections.abc import Sequence
 
 import sympy
 
 from jaxmem.graph import Graph
-from jaxmem.memory.frontier import distinct, sample_values, undominated
+from jaxmem.memory.frontier import distinct, sample_values, undominated, undominated_table
 from jaxmem.memory.liveness import Buffer, liveness
+from jaxmem.memory.points import PointTable, distinct_rows, live_table
 from jaxmem.memory.reuse import reuse_peak
 from jaxmem.symbolic import Cmp, ShapeDomain, compare, signs_differ, sym
 
@@ -77,7 +79,7 @@ class MemoryModel:
     alias_bytes: sympy.Expr
     temp_bytes: sympy.Expr
     peak_bytes: sympy.Expr
-    points: tuple[tuple[tuple[sympy.Expr, sympy.Expr], ...], ...] = dataclasses.field(repr=False)
+    points: Sequence[tuple[tuple[sympy.Expr, sympy.Expr], ...]] = dataclasses.field(repr=False)
     candidates: tuple[int, ...]
     comparisons: tuple[tuple[str, int], ...]
     temp_bytes_without_reuse: sympy.Expr | None = None
@@ -125,8 +127,26 @@ class _Body:
 def _inner(graph: Graph, dom: ShapeDomain, symbolic: bool, backend: str | None
            ) -> MemoryModel:
     """A body's memory. Its outputs are the loop's state, allocated outside and live
-    throughout, so no temporary of the body can sit in them."""
-    return memory_model(graph, dom, symbolic=symbolic, reuse_outputs=False, backend=backend)
+    throughout, so no temporary of the body can sit in them.
+
+    One model per body graph object: the candidate plans of a scanned step share
+    their bodies with the step they rewrite, which re-derived each body's model."""
+    key = (id(graph), dom, symbolic, backend)
+    hit = _BODY_MODELS.get(key)
+    if hit is not None and hit[0]() is graph:
+        return hit[1]
+    m = memory_model(graph, dom, symbolic=symbolic, reuse_outputs=False, backend=backend)
+    _BODY_MODELS[key] = (weakref.ref(graph, lambda _: _BODY_MODELS.pop(key, None)), m)
+    return m
+
+
+_BODY_MODELS: dict[tuple, tuple[weakref.ref, MemoryModel]] = {}  # see _inner
+
+
+def forget_body_models() -> None:
+    """Drops the control-flow bodies' cached models (each is also dropped with its graph),
+    so that the next :func:`memory_model` derives them afresh."""
+    _BODY_MODELS.clear()
 
 
 def _largest_point(m: MemoryModel, dom: ShapeDomain) -> tuple[sympy.Expr, ...]:
@@ -165,9 +185,11 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
     tally: collections.Counter[str] = collections.Counter()
     bodies = _bodies(graph, order, dom, symbolic, backend)
     extra = {p: body.temp for p, body in bodies.items()}
-    points = _live_points(buffers, extra, n)
+    # The integer-matrix sweep where it applies (every case measured), else dictionaries.
+    table = live_table(buffers, extra, n)
+    points = _live_points(buffers, extra, n) if table is None else table
     candidates = _frontier(points, dom, tally, symbolic)
-    temp = _max([_to_expr(points[p]) for p in candidates])
+    temp = _max([_to_expr(dict(points[p])) for p in candidates])
     upper = temp
     aliased = _aliased_outputs(graph, donated)
     if reuse_outputs:
@@ -185,7 +207,8 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
         outs += POINTER_BYTES * len(graph.outputs)
     alias = sympy.Add(*[graph.values[v].nbytes for v in aliased])
     return MemoryModel(buffers, args, outs, alias, temp, args + outs - alias + temp,
-                       tuple(tuple(p.items()) for p in points), tuple(candidates),
+                       tuple(tuple(p.items()) for p in points) if table is None else table,
+                       tuple(candidates),
                        tuple(sorted(tally.items())), upper, reuse_outputs)
 
 
@@ -284,10 +307,15 @@ def _max(exprs: list[sympy.Expr]) -> sympy.Expr:
     return sympy.Max(*exprs, evaluate=False)
 
 
-def _frontier(points: list[LinExpr], dom: ShapeDomain, tally: collections.Counter[str],
-              symbolic: bool) -> list[int]:
+def _frontier(points: list[LinExpr] | PointTable, dom: ShapeDomain,
+              tally: collections.Counter[str], symbolic: bool) -> list[int]:
     """Positions whose live bytes may be the maximum somewhere in the domain."""
-    keep = undominated(points, tally) if symbolic else distinct(points)
+    if isinstance(points, PointTable):
+        keep = (undominated_table(points, tally) if symbolic
+                else distinct_rows(points.matrix))
+        points = {p: dict(points[p]) for p in keep}  # type: ignore[assignment]
+    else:
+        keep = undominated(points, tally) if symbolic else distinct(points)
     # What dominance cannot settle goes to the comparison oracle, within a budget of
     # calls: a point kept unpruned only makes the Max longer, never wrong.
     survivors: list[int] = []

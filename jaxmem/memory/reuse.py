@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import sympy
 
+from jaxmem.fastexpr import sum_at
 from jaxmem.symbolic import Cmp, ShapeDomain, compare, sym
 
 Item = tuple[sympy.Expr, int]  # (size, count)
@@ -264,10 +265,10 @@ def reuse_peak(temps: Sequence[tuple[sympy.Expr, int, int]],
     groups = list(dict.fromkeys(k for k, _ in outputs))
     if n_points == 0:
         return sympy.Integer(0), ()
-    counts = _intervals(n_points, len(classes),
-                        [(classes.index(e), s, t) for e, s, t in temps])
+    class_col, group_col = _columns(classes), _columns(groups)
+    counts = _intervals(n_points, len(classes), [(class_col[e], s, t) for e, s, t in temps])
     free = _intervals(n_points, len(groups),
-                      [(groups.index(k), 0, w - 1) for k, w in outputs if w > 0])
+                      [(group_col[k], 0, w - 1) for k, w in outputs if w > 0])
     extra_pos = sorted(extra)
     symbols = [sym(n) for n in dom.symbols]
     size_fn = sympy.lambdify(symbols, [*classes, *groups, *[extra[p] for p in extra_pos]],
@@ -299,6 +300,12 @@ def reuse_peak(temps: Sequence[tuple[sympy.Expr, int, int]],
     exprs = list(dict.fromkeys(exprs))
     temp = exprs[0] if len(exprs) == 1 else lattice(sympy.Max, exprs)
     return temp, tuple(chosen)
+
+
+def _columns(keys: Sequence[sympy.Expr]) -> dict[sympy.Expr, int]:
+    """Each key's position, found by hash (``list.index`` compared sympy sizes one by one,
+    for every temporary of a 22-layer step)."""
+    return {k: i for i, k in enumerate(keys)}
 
 
 #: Relative slack of the candidate search: a program point stands in for another
@@ -347,11 +354,12 @@ def _significant(outputs: Sequence[tuple[sympy.Expr, int]], dom: ShapeDomain
     """
     hi = _at(dom.corner())
     per_group: dict[sympy.Expr, float] = collections.defaultdict(float)
+    size = {k: float(sum_at([k], hi)) for k in dict.fromkeys(k for k, _ in outputs)}
     for k, _ in outputs:
-        per_group[k] += float(k.subs(hi))
+        per_group[k] += size[k]
     total = sum(per_group.values())
     return [(k, w) for k, w in outputs if per_group[k] >= MIN_GROUP_FRACTION * total
-            and float(k.subs(hi)) >= MIN_ALLOCATION_BYTES]
+            and size[k] >= MIN_ALLOCATION_BYTES]
 
 
 def _at(point: Mapping[str, int]) -> dict[sympy.Symbol, int]:

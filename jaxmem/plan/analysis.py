@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxmem.errors import ShapeOutOfRangeError
 from jaxmem.graph import Graph, build_graph
+from jaxmem.perf import gc_paused
 from jaxmem.plan.levels import PlanSet, plan_levels
 from jaxmem.plan.offload import Costs, costs_for, offload_supported
 from jaxmem.schedulers import ScheduleGraph, Scheduler, validate_order
@@ -93,6 +94,7 @@ class PlanInputs:
     scheduler: Scheduler | None
 
 
+@gc_paused()
 def derive_plans(inputs: PlanInputs) -> tuple[PlanSet, Orders]:
     """The levels and each level's validated order: the expensive part of an analysis."""
     plans = plan_levels(inputs.graph, inputs.domain, symbolic=inputs.symbolic,
@@ -126,6 +128,7 @@ def _spec_for(polymorphic_shapes: Any, static_argnums: Sequence[int], n_args: in
     return tuple(s for i, s in enumerate(shapes) if i not in static_argnums)
 
 
+@gc_paused()
 def analyze_specs(fun: Callable[..., Any], static: tuple[Any, ...], dynamic: tuple[Any, ...],
                   static_argnums: Sequence[int], polymorphic_shapes: Any,
                   constraints: Sequence[str], scheduler: Scheduler | None,

@@ -20,7 +20,7 @@ from typing import Any
 
 import sympy
 
-from jaxmem.fastexpr import compile_expr
+from jaxmem.fastexpr import compile_expr, expanded_sum
 from jaxmem.graph import Graph
 from jaxmem.memory import MemoryModel
 from jaxmem.plan.loops import LoopPlan
@@ -82,7 +82,7 @@ class Level:
     def flops_fn(self) -> Callable[..., Any]:
         """FLOPs of one step at this level (recomputation included), as a function of the
         dims: what a step's time is predicted from."""
-        return _numeric(sympy.expand(sympy.Add(*[n.flops for n in self.graph.nodes])))
+        return _numeric(expanded_sum(n.flops for n in self.graph.nodes))
 
 
 def _numeric(expr: sympy.Expr) -> Callable[[Mapping[str, int]], int]:

@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 
 import sympy
 
+from jaxmem.fastexpr import sum_at
 from jaxmem.graph import Graph
 from jaxmem.memory import MemoryModel, memory_model
 from jaxmem.plan.level import Level
@@ -173,17 +174,18 @@ def _efficiency(graph: Graph, chosen: list[Residual], group: list[Residual],
         ``(score, "recompute" | "offload")``.
     """
     def size(rs: list[Residual]) -> float:
-        return float(sympy.Add(*[r.nbytes for r in rs]).subs(corner))
+        return float(sum_at([r.nbytes for r in rs], corner))
 
     best = (0.0, "recompute")
-    chains = [c for r, c in recompute_chains(graph, chosen + group, residuals) if r in group]
+    ids = {r.value for r in group}
+    chains = [c for _, c in recompute_chains(graph, chosen + group, residuals, only=ids)]
     if chains and (freed := size(group)) >= min_bytes:
         nodes = {i for c in chains for i in c}
-        flops = float(sympy.Add(*[graph.nodes[i].flops for i in nodes]).subs(corner)) + 1.0
+        flops = float(sum_at([graph.nodes[i].flops for i in nodes], corner)) + 1.0
         best = (freed / costs.recompute_s(flops), "recompute")
     if offload:
         movable = [r for r, _ in offload_chains(graph, moved + tuple(group), residuals)
-                   if r in group]
+                   if r.value in ids]
         freed = size(movable)
         if movable and freed >= min_bytes:
             score = freed / costs.transfer_s(freed)

@@ -26,7 +26,7 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
+import weakref
 from collections.abc import Collection, Iterable, Sequence
 
 import sympy
@@ -46,8 +46,8 @@ def _live_anyway(graph: Graph, residuals: Sequence[Residual] | None) -> set[int]
 
 def recompute_chains(graph: Graph, recompute: Iterable[Residual],
                      residuals: Sequence[Residual] | None = None,
-                     keep: Collection[int] = (), long_chains: bool = False
-                     ) -> list[tuple[Residual, Chain]]:
+                     keep: Collection[int] = (), long_chains: bool = False,
+                     only: Collection[int] | None = None) -> list[tuple[Residual, Chain]]:
     """The residuals that will really be recomputed, each with the forward nodes it re-runs.
 
     Chains start from values that stay live anyway (inputs, constants, residuals
@@ -55,18 +55,21 @@ def recompute_chains(graph: Graph, recompute: Iterable[Residual],
     whose chain cannot be built stays saved, and so does one whose chain is long
     (more than a few materialising ops) unless ``long_chains`` (a segment plan
     re-runs whole layers on purpose). ``residuals`` is :func:`find_residuals` of
-    ``graph``, when the caller has it.
+    ``graph``, when the caller has it. ``only`` (value ids): return just these
+    residuals' chains (the others still count as recomputed, not as sources).
     """
     chosen = {r.value: r for r in recompute}
     if not chosen:
         return []
     kept = (_live_anyway(graph, residuals) | set(keep)) - set(chosen)
+    memo = chain_memo(graph)
     out = []
     # A chain that is not cheap is dropped: the walk may stop as soon as it is not.
     bound = None if long_chains else _MAX_HEAVY
     for r in chosen.values():
-        chains = [recompute_chain(graph, v, kept, bound, r.producer)
-                  for v in (r.value, *r.aliases)]
+        if only is not None and r.value not in only:
+            continue
+        chains = [memo.chain(graph, v, kept, bound, r.producer) for v in (r.value, *r.aliases)]
         if all(c is not None for c in chains):
             chain = tuple(sorted({i for c in chains for i in c}))  # type: ignore[union-attr]
             if long_chains or _cheap(graph, chain, r):
@@ -87,12 +90,73 @@ def offload_chains(graph: Graph, offload: Iterable[Residual],
     if not rs:
         return []
     kept = _live_anyway(graph, residuals)
+    memo = chain_memo(graph)
     out = []
     for r in rs:
-        chains = [recompute_chain(graph, a, kept) for a in r.aliases]
+        chains = [memo.chain(graph, a, kept) for a in r.aliases]
         if all(c is not None for c in chains):
             out.append((r, tuple(sorted({i for c in chains for i in c}))))  # type: ignore[union-attr]
     return out
+
+
+class ChainMemo:
+    """The :func:`~jaxmem.plan.residuals.recompute_chain` walks made on one graph, reused
+    where their answer cannot differ.
+
+    A plan search asks for the chain of the same residual against saved sets that
+    differ only in residuals far from it. A walk depends on the saved set only
+    through the values it visits (each either stops the walk or is rebuilt), so a
+    found chain is reused whenever every value it visited has the same membership
+    as when it was found; anything else walks again (failed walks are not kept).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxmem.graph import build_graph
+        >>> f = lambda w, x: jnp.tanh(jnp.tanh(x @ w) @ w).sum()
+        >>> g = build_graph(jax.make_jaxpr(jax.grad(f))(jnp.ones((4, 4)), jnp.ones((2, 4))))
+        >>> r = find_residuals(g)[-1]
+        >>> memo = ChainMemo()
+        >>> memo.chain(g, r.value, set(g.inputs)) == recompute_chain(g, r.value, set(g.inputs))
+        True
+    """
+
+    def __init__(self) -> None:
+        # Not the graph itself: the memo lives while its graph does (see chain_memo).
+        # (value, max_heavy, besides) -> [(chain, visited values in the saved set, the rest)]
+        self.found: dict[tuple[int, int | None, int | None],
+                         list[tuple[Chain, frozenset[int], frozenset[int]]]] = {}
+
+    def chain(self, graph: Graph, value: int, leaves: set[int], max_heavy: int | None = None,
+              besides: int | None = None) -> Chain | None:
+        """``recompute_chain(graph, value, leaves, max_heavy, besides)``."""
+        key = (value, max_heavy, besides)
+        entries = self.found.setdefault(key, [])
+        for chain, stops, rebuilt in entries:
+            if stops <= leaves and rebuilt.isdisjoint(leaves):
+                return chain
+        chain = recompute_chain(graph, value, leaves, max_heavy, besides)
+        if chain is not None:
+            nodes = graph.nodes
+            visited = {v for i in chain for v in nodes[i].inputs} - {value}
+            stops = frozenset(v for v in visited if v in leaves)
+            entries.insert(0, (chain, stops, frozenset(visited - stops)))
+            del entries[_MEMO_ENTRIES:]
+        return chain
+
+
+_MEMO_ENTRIES = 4  # chains kept per residual: the searches alternate between a few
+_MEMOS: dict[int, tuple[weakref.ref, ChainMemo]] = {}
+
+
+def chain_memo(graph: Graph) -> ChainMemo:
+    """The :class:`ChainMemo` of ``graph``: one per live graph object, dropped with it."""
+    entry = _MEMOS.get(id(graph))
+    if entry is not None and entry[0]() is graph:
+        return entry[1]
+    key = id(graph)
+    memo = ChainMemo()
+    _MEMOS[key] = (weakref.ref(graph, lambda _: _MEMOS.pop(key, None)), memo)
+    return memo
 
 
 def apply_remat(graph: Graph, recompute: Iterable[Residual],
@@ -174,15 +238,22 @@ class _Rewrite:
         """A new value shaped like ``like`` (taking no device bytes on the host); its id."""
         v = self.values[like]
         vid = len(self.values)
-        self.values.append(dataclasses.replace(v, id=vid, nbytes=sympy.Integer(0), host=True)
-                           if on_host else dataclasses.replace(v, id=vid))
+        # Direct construction: dataclasses.replace was most of a rewrite's time.
+        self.values.append(Value(vid, v.shape, v.dtype, sympy.Integer(0), True) if on_host
+                           else Value(vid, v.shape, v.dtype, v.nbytes, v.host))
         return vid
 
     def emit(self, node: Node, inputs: list[int], operands: list[int | None],
-             outputs: list[int]) -> None:
-        """Appends ``node`` reading and writing the given values."""
-        self.nodes.append(dataclasses.replace(node, index=len(self.nodes), inputs=tuple(inputs),
-                                              operands=tuple(operands), outputs=tuple(outputs)))
+             outputs: list[int], scope: str | None = None) -> None:
+        """Appends ``node`` reading and writing the given values (``node`` itself if unchanged)."""
+        index, ins, ops, outs = len(self.nodes), tuple(inputs), tuple(operands), tuple(outputs)
+        if (index == node.index and ins == node.inputs and ops == node.operands
+                and outs == node.outputs and scope is None):
+            self.nodes.append(node)  # the forward pass, before any block: shared, not copied
+            return
+        self.nodes.append(Node(index, node.primitive, node.kind, ins, outs,
+                               node.scope if scope is None else scope, node.subgraphs,
+                               node.flops, node.params, node.eqn, ops))
 
     def transfer(self, src: int, original: int, to_host: bool, scope: str) -> int:
         """A ``device_put`` of ``src`` to host or device memory; the copy's value id."""
@@ -250,7 +321,7 @@ class _Rewrite:
             outs = [self.new_value(o) for o in src.outputs]
             ins = [local.get(v, v) for v in src.inputs]
             ops = [None if o is None else local.get(o, o) for o in src.operands]
-            self.emit(dataclasses.replace(src, scope=src.scope + "/remat"), ins, ops, outs)
+            self.emit(src, ins, ops, outs, src.scope + "/remat")
             local.update(zip(src.outputs, outs, strict=True))
 
 
