@@ -16,8 +16,8 @@ parameters and optimizer state, activations and matmuls in bfloat16, as the Llam
 
 Usage::
 
-    python -m bench.accuracy [--quick] [--programs gpt,llama-bf16] [--out accuracy.json]
-        [--results-dir DIR]
+    python -m bench.accuracy [--quick [--every-level]] [--programs gpt,llama-bf16]
+        [--out accuracy.json] [--results-dir DIR]
 
 Prints a table (program, level, shape, xla, predicted, error) and the median and
 worst absolute relative error per program, for level 0 and for the deeper levels,
@@ -181,6 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="one shape per program, 2-layer models, first / middle / "
                              "deepest level")
     add_output_arguments(parser, "accuracy.json")
+    parser.add_argument("--every-level", action="store_true",
+                        help="with --quick: compile every level, not three")
     parser.add_argument("--programs", default=",".join(SUITE), help="comma-separated subset")
     parser.add_argument("--no-timing", action="store_true",
                         help="skip timing jaxmem.analyze on the Llama-1B-sized step")
@@ -192,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in args.programs.split(","):
         factory, full, quick = SUITE[name]
         rows += run_program(name, factory(2 if args.quick else 4),
-                            quick if args.quick else full, log, args.quick)
+                            quick if args.quick else full, log,
+                            args.quick and not args.every_level)
     summary = summarize(rows)
     for k, v in summary.items():
         log(f"{k:<20} n={v['n']:<3} median |error| {100 * v['median']:5.1f}%   "
