@@ -16,8 +16,8 @@ parameters and optimizer state, activations and matmuls in bfloat16, as the Llam
 
 Usage::
 
-    python -m bench.accuracy [--quick] [--programs gpt,llama-bf16] [--out accuracy.json]
-        [--results-dir DIR]
+    python -m bench.accuracy [--quick [--every-level]] [--programs gpt,llama-bf16]
+        [--out accuracy.json] [--results-dir DIR]
 
 Prints a table (program, level, shape, xla, predicted, error) and the median and
 worst absolute relative error per program, for level 0 and for the deeper levels,
@@ -51,7 +51,8 @@ from bench.programs import Program, gpt_program, gpt_scan_program, llama_program
 MIB = 2**20
 
 # Every level is compiled at every shape (a few seconds each on two CPU cores): three
-# shapes keep the full run within about ten minutes, one keeps --quick within two.
+# shapes keep the full run within about ten minutes; --quick compiles three levels of
+# each program at one shape, within about two.
 LM_FULL = [{"b": 1, "s": 32}, {"b": 4, "s": 128}, {"b": 8, "s": 512}]
 LM_QUICK = [{"b": 4, "s": 128}]
 
@@ -100,9 +101,16 @@ def polymorphic_shapes(program: Program) -> tuple[str | None, ...]:
     return (None, *(", ".join(str(d) for d in spec.shape) for spec in batch))
 
 
+def quick_levels(n_levels: int) -> list[int]:
+    """The levels ``--quick`` compiles: the first, the middle and the deepest (the full
+    form compiles every level at every shape)."""
+    return sorted({0, n_levels // 2, n_levels - 1})
+
+
 def run_program(name: str, program: Program, shapes: Sequence[dict[str, int]],
-                log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Every level of ``program``'s plan set against XLA at every shape (one analysis)."""
+                log: Callable[[str], None], quick: bool = False) -> list[dict[str, Any]]:
+    """Every level (``quick``: :func:`quick_levels`) of ``program``'s plan set against
+    XLA at every shape (one analysis)."""
     f = jaxmem.jit(program.step, polymorphic_shapes=polymorphic_shapes(program),
                    constraints=program.constraints)
     t0 = time.perf_counter()
@@ -113,7 +121,7 @@ def run_program(name: str, program: Program, shapes: Sequence[dict[str, int]],
     rows = []
     for dims in shapes:
         args = program.concrete_args(dims)
-        for level in range(n_levels):
+        for level in quick_levels(n_levels) if quick else range(n_levels):
             t1 = time.perf_counter()
             plan = f.compile_level(level, *args)
             row = {"program": name, "model": program.name, "level": level,
@@ -170,8 +178,11 @@ def time_analyze(repeats: int = 3) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="one shape per program, 2-layer models")
+                        help="one shape per program, 2-layer models, first / middle / "
+                             "deepest level")
     add_output_arguments(parser, "accuracy.json")
+    parser.add_argument("--every-level", action="store_true",
+                        help="with --quick: compile every level, not three")
     parser.add_argument("--programs", default=",".join(SUITE), help="comma-separated subset")
     parser.add_argument("--no-timing", action="store_true",
                         help="skip timing jaxmem.analyze on the Llama-1B-sized step")
@@ -183,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in args.programs.split(","):
         factory, full, quick = SUITE[name]
         rows += run_program(name, factory(2 if args.quick else 4),
-                            quick if args.quick else full, log)
+                            quick if args.quick else full, log,
+                            args.quick and not args.every_level)
     summary = summarize(rows)
     for k, v in summary.items():
         log(f"{k:<20} n={v['n']:<3} median |error| {100 * v['median']:5.1f}%   "

@@ -41,8 +41,9 @@ WORST_BOUND = 0.25
 ISSUE_MEDIAN_BOUND = 0.03
 ISSUE_WORST_BOUND = 0.10
 #: (median, worst) met where the issue's bounds are not (measured, see README): the
-#: bf16 GPT still under-predicts at large shapes, the scanned GPT misses the median.
-MET_BOUNDS = {"gpt_bf16": (0.08, 0.12), "gpt_scan": (0.07, ISSUE_WORST_BOUND)}
+#: bf16 GPT still under-predicts at large shapes (-9.0 % at (8, 256)), the scanned GPT
+#: misses the median (4.0 %).
+MET_BOUNDS = {"gpt_bf16": (0.07, ISSUE_WORST_BOUND), "gpt_scan": (0.07, ISSUE_WORST_BOUND)}
 
 __all__ = ["MEDIAN_BOUND", "WORST_BOUND", "Program", "attention_program", "errors_against_xla",
            "gpt_program", "llama_program", "mlp_program", "reshape_program", "relative_error",

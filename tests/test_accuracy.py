@@ -12,6 +12,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import jaxmem
 from bench import accuracy
@@ -59,3 +61,10 @@ def test_main_writes_rows_and_summary(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert {"program", "level", "shape", "xla", "predicted", "error"} <= set(res["rows"][0])
     assert res["summary"]["overall"]["n"] == len(res["rows"])
+
+
+@given(st.integers(1, 40))
+def test_quick_form_compiles_the_first_middle_and_deepest_level(n) -> None:
+    levels = accuracy.quick_levels(n)
+    assert levels == sorted(set(levels)) and set(levels) <= set(range(n))
+    assert levels[0] == 0 and levels[-1] == n - 1 and n // 2 in levels and len(levels) <= 3

@@ -93,6 +93,23 @@ def materialised(graph: Graph) -> dict[int, int]:
     return owner
 
 
+def used_nodes(graph: Graph) -> list[bool]:
+    """Per node, whether an output of the graph depends on it (XLA removes the others).
+
+    Dead code is common in a differentiated step: the jvp of a ``max`` nobody
+    differentiates, and, once a level recomputes a residual, the forward readers
+    the backward pass no longer uses.
+    """
+    used = [False] * len(graph.nodes)
+    needed = set(graph.outputs)
+    for i in range(len(graph.nodes) - 1, -1, -1):  # program order is topological
+        node = graph.nodes[i]
+        if any(o in needed for o in node.outputs):
+            used[i] = True
+            needed.update(node.inputs)
+    return used
+
+
 def _only_dots(graph: Graph, v: int) -> bool:
     users = graph.consumers.get(v, ())
     return bool(users) and all(graph.nodes[u].primitive == "dot_general" for u in users)

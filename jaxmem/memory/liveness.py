@@ -22,7 +22,12 @@ import jax
 import sympy
 
 from jaxmem.graph import Graph
-from jaxmem.memory.fusion import epilogue_broadcasts, materialised, transposed_copies
+from jaxmem.memory.fusion import (
+    epilogue_broadcasts,
+    materialised,
+    transposed_copies,
+    used_nodes,
+)
 from jaxmem.memory.precision import buffer_sizes, operand_copies
 
 
@@ -108,12 +113,16 @@ def _buffer_sources(graph: Graph, owner: dict[int, int]) -> Callable[[int], froz
 def _definitions_and_uses(graph: Graph, order: Sequence[int], owner: dict[int, int],
                           srcs: Callable[[int], frozenset[int]]
                           ) -> tuple[dict[int, int], dict[int, int]]:
-    """Where XLA allocates each buffer (its first writer) and frees it (after its last reader)."""
+    """Where XLA allocates each buffer (its first writer) and frees it (after its last
+    reader); dead code neither writes nor reads."""
     last_use: dict[int, int] = {}
     first_def: dict[int, int] = {}
     nodes = graph.nodes
+    used = used_nodes(graph)
     for p, ni in enumerate(order):
         n = nodes[ni]
+        if not used[ni]:
+            continue  # dead code: XLA removes it
         for i in n.inputs:
             for s in srcs(i):
                 last_use[s] = p  # positions only grow: the latest reader is the last

@@ -1,6 +1,8 @@
 """The symbolic memory model: the peak of a graph under one op order, over all shapes at once.
 
-XLA's accounting of an executable is ``argument + output - alias + temp``; this
+The order is the one XLA runs the graph in when jaxmem leaves it to XLA
+(:mod:`jaxmem.memory.schedule`: breadth-first on CPU), or the one a scheduler
+pins. XLA's accounting of an executable is ``argument + output - alias + temp``; this
 module decides each term. The first three are sums over the graph's inputs and
 outputs (a tuple of results adds XLA's table of pointers; ``alias`` is the
 outputs that live in donated arguments); ``temp`` is the most temporary memory
@@ -11,11 +13,12 @@ per program point and keeps the points that can be the maximum somewhere in the
 domain: first by coefficient dominance, then by the comparisons of
 :mod:`jaxmem.symbolic`. Without output reuse the peak is a ``sympy.Max`` of
 polynomials over those points; with it (the default, as XLA does) temporaries
-may sit in output buffers not written yet (:mod:`jaxmem.memory.reuse`) and the
-peak is a ``Max`` of piecewise polynomials.
+may sit in output buffers not written yet, placed as XLA's buffer assigner places
+them (:mod:`jaxmem.memory.assign`), and the peak is a ``Min`` over assignments of
+``Max`` of piecewise polynomials.
 
-Accuracy against XLA's CPU peak (``python -m bench.accuracy``, 20 shapes of an
-MLP, a GPT and a Llama train step): median error 2.0 %, worst 6.5 %.
+Accuracy against XLA's CPU peak: README, "Memory prediction accuracy"
+(``python -m bench.accuracy``).
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -37,13 +40,15 @@ import functools
 import weakref
 from collections.abc import Sequence
 
+import jax
 import sympy
 
 from jaxmem.graph import Graph
+from jaxmem.memory.assign import assignment_peak
 from jaxmem.memory.frontier import distinct, sample_values, undominated, undominated_table
 from jaxmem.memory.liveness import Buffer, liveness
 from jaxmem.memory.points import PointTable, distinct_rows, live_table
-from jaxmem.memory.reuse import reuse_peak
+from jaxmem.memory.schedule import xla_order
 from jaxmem.symbolic import Cmp, ShapeDomain, compare, signs_differ, sym
 
 POINTER_BYTES = 8  # one entry of a tuple's table of buffer pointers (64-bit hosts)
@@ -166,7 +171,8 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
     Args:
         graph: the graph.
         dom: the shape domain (for comparisons between program points).
-        order: a permutation of node indices; program order when None.
+        order: a permutation of node indices (an order jaxmem pins); None: the order
+            XLA's scheduler on ``backend`` picks (:func:`~jaxmem.memory.schedule.xla_order`).
         donated: indices into ``graph.inputs`` that are donated.
         symbolic: False runs the ablation (comparisons by sampling only).
         reuse_outputs: let temporaries use output buffers before the outputs are
@@ -179,7 +185,8 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
     Returns:
         A :class:`MemoryModel`.
     """
-    order = list(range(len(graph.nodes))) if order is None else list(order)
+    backend = backend or jax.default_backend()
+    order = xla_order(graph, backend) if order is None else list(order)
     buffers = liveness(graph, order, backend)
     n = len(order)
     tally: collections.Counter[str] = collections.Counter()
@@ -198,7 +205,7 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
                      if b.kind == "output" and b.value not in aliased and b.start >= 0]
         temps += [(e, p, p) for p, body in bodies.items() for e in body.buffers]
         whole = {p: body.temp for p, body in bodies.items() if not body.buffers}
-        temp, candidates = reuse_peak(temps, outs_free, whole, n, dom, tally, symbolic)
+        temp, candidates = assignment_peak(temps, outs_free, whole, n, dom, tally, symbolic)
     args = sympy.Add(*[b.nbytes for b in buffers if b.kind == "argument"])
     outs = sympy.Add(*[b.nbytes for b in buffers if b.kind == "output"])
     if len(graph.outputs) > 1:

@@ -47,7 +47,7 @@ from jaxmem.symbolic import Cmp, ShapeDomain, compare, sym
 Item = tuple[sympy.Expr, int]  # (size, count)
 
 
-def _fits(e: sympy.Expr, k: sympy.Expr, dom: ShapeDomain,
+def fit_step(e: sympy.Expr, k: sympy.Expr, dom: ShapeDomain,
           tally: collections.Counter[str], cache: dict, symbolic: bool = True) -> sympy.Expr:
     """1 where a temporary of size ``e`` fits an allocation of size ``k``, else 0."""
     key = (e, k)
@@ -133,7 +133,7 @@ def point_expression(items: Sequence[Item], allocations: Sequence[Item], dom: Sh
     allocs = _sorted_allocations(allocations, dom)
     if not allocs or not items:
         return total
-    fits = [[_fits(e, k, dom, tally, fit_cache, symbolic) for k, _ in allocs]
+    fits = [[fit_step(e, k, dom, tally, fit_cache, symbolic) for k, _ in allocs]
             for e, _ in items]
     # Items that fit nowhere on the whole domain take no part (their tier is 0).
     keep = [i for i, f in enumerate(fits) if any(x != 0 for x in f)]
@@ -283,7 +283,7 @@ def reuse_peak(temps: Sequence[tuple[sympy.Expr, int, int]],
         rows.append(live)
         class_sizes.append(sizes)
     table = np.array(rows)  # [samples, points]
-    chosen = _cover(table, TOLERANCE)
+    chosen = cover(table, TOLERANCE)
     fit_cache: dict = {}
     exprs = []
     for p in chosen:
@@ -314,7 +314,7 @@ def _columns(keys: Sequence[sympy.Expr]) -> dict[sympy.Expr, int]:
 TOLERANCE = 0.002
 
 
-def _cover(table: np.ndarray, tol: float) -> list[int]:
+def cover(table: np.ndarray, tol: float) -> list[int]:
     """Few program points whose maximum is within ``tol`` of the best at every sample.
 
     Args:

@@ -1,0 +1,131 @@
+"""The op order XLA runs a graph in when jaxmem leaves the order to it, per backend.
+
+XLA's CPU compiler schedules every computation breadth-first by default
+(``xla_cpu_scheduler_type`` ``CPU_SCHEDULER_TYPE_DEFAULT`` is the concurrency-
+optimised ``BFSMemoryScheduler``, measured on jax 0.10.2: the memory-optimised
+scheduler gives a different peak): Kahn's algorithm with a FIFO queue, an
+instruction joining the queue once its last operand has run. The order differs
+from the jaxpr's where it matters for memory: every optimizer update runs as soon
+as its gradient exists (so its output buffer is written, and the gradient freed,
+during the backward pass, not after it), and ops that read only parameters (the
+low-precision copies of the weights) run first. :func:`xla_order` replays that
+queue on the graph's materialised ops; fused values run with their first
+consumer. Other backends schedule by memory (GPU: a list scheduler minimising
+it), for which program order stays the model.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem.graph import build_graph
+    >>> def f(w, x):
+    ...     y = jnp.sin(x @ w) @ w  # a chain of two dots
+    ...     return y, w @ w         # and one that only needs w: XLA runs it first
+    >>> g = build_graph(jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((2, 4))))
+    >>> [g.nodes[i].primitive for i in xla_order(g, "cpu")]
+    ['dot_general', 'dot_general', 'sin', 'dot_general']
+    >>> xla_order(g, "gpu") == list(range(len(g.nodes)))
+    True
+"""
+
+from __future__ import annotations
+
+import collections
+
+from jaxmem.graph import Graph
+from jaxmem.memory.fusion import materialised, used_nodes
+
+#: backends whose XLA schedules breadth-first when the order is left to it
+BFS_BACKENDS = ("cpu",)
+
+
+def xla_order(graph: Graph, backend: str) -> list[int]:
+    """The node order XLA's scheduler on ``backend`` runs ``graph`` in.
+
+    Args:
+        graph: the graph.
+        backend: a JAX platform name.
+
+    Returns:
+        A permutation of the node indices (program order where the backend's
+        scheduler is not modelled).
+    """
+    n = len(graph.nodes)
+    if backend not in BFS_BACKENDS or n == 0:
+        return list(range(n))
+    fused = _joins_consumer(graph)
+    preds = _instruction_operands(graph, fused)
+    users: dict[int, list[int]] = collections.defaultdict(list)
+    for i, ps in enumerate(preds):
+        for p in ps:
+            users[p].append(i)
+    waiting = [len(ps) for ps in preds]
+    used = used_nodes(graph)
+    # Dead code (which XLA removes, and the memory model ignores) runs last: it must not
+    # pull the values it reads forward.
+    queue = collections.deque(i for i in range(n)
+                              if used[i] and not fused[i] and not waiting[i])
+    order: list[int] = []
+    placed = [False] * n
+    while queue:
+        i = queue.popleft()
+        _place(graph, i, fused, placed, order)
+        for u in users[i]:
+            waiting[u] -= 1
+            if not waiting[u] and used[u]:
+                queue.append(u)
+    for i in range(n):  # the dead code
+        _place(graph, i, fused, placed, order)
+    return order
+
+
+def _joins_consumer(graph: Graph) -> list[bool]:
+    """Per node, whether it runs with its first consumer rather than as an instruction of
+    its own: a fused value, or one computed from constants alone (a broadcast zero, an
+    iota), which XLA folds into its consumer (a scatter into zeros becomes a ``pad``)."""
+    owner = materialised(graph)
+    producers, inputs = graph.producers, set(graph.inputs)
+    constant: list[bool] = []
+    for node in graph.nodes:  # program order is topological
+        constant.append(node.kind != "control" and not node.subgraphs and all(
+            v not in inputs and (v not in producers or constant[producers[v]])
+            for v in node.inputs))
+    used = used_nodes(graph)
+    return [used[i] and (c or (bool(node.outputs) and all(owner.get(o, o) == -1
+                                                          for o in node.outputs)))
+            for i, (c, node) in enumerate(zip(constant, graph.nodes, strict=True))]
+
+
+def _instruction_operands(graph: Graph, fused: list[bool]) -> list[tuple[int, ...]]:
+    """Per node, the non-fused nodes it waits for (through the fused values it reads)."""
+    producers = graph.producers
+    memo: dict[int, frozenset[int]] = {}
+
+    def sources(i: int) -> frozenset[int]:
+        if i not in memo:
+            memo[i] = frozenset().union(*[
+                ({producers[v]} if not fused[producers[v]] else sources(producers[v]))
+                for v in graph.nodes[i].inputs if v in producers])
+        return memo[i]
+
+    return [tuple(sorted(sources(i))) if not fused[i] else () for i in range(len(graph.nodes))]
+
+
+def _place(graph: Graph, i: int, fused: list[bool], placed: list[bool],
+           order: list[int]) -> None:
+    """Appends node ``i`` after the fused nodes it reads that are not placed yet."""
+    if placed[i]:
+        return
+    stack = [(i, False)]
+    while stack:
+        j, ready = stack.pop()
+        if placed[j]:
+            continue
+        if ready:
+            placed[j] = True
+            order.append(j)
+            continue
+        stack.append((j, True))
+        producers = graph.producers
+        for v in reversed(graph.nodes[j].inputs):
+            p = producers.get(v)
+            if p is not None and fused[p] and not placed[p]:
+                stack.append((p, False))
