@@ -3,11 +3,11 @@
 :func:`apply_remat` returns a new :class:`~jaxmem.graph.Graph` in which every
 backward read of a recomputed residual reads a clone, made just before its
 first backward use by re-running the forward operations that produced it. The
-clone's inputs pass through ``optimization_barrier`` together with the values of
-the backward pass live at that point, so XLA can neither run the recomputation
+clone's inputs pass through ``optimization_barrier`` together with the backward
+pass's buffers live at that point, so XLA can neither run the recomputation
 early nor merge it with the forward original (on CPU that needs the
 ``cse_barrier_expander`` pass off; see :mod:`jaxmem.lower`). The live backward
-values leave the barrier renamed, so they are materialised there: XLA cannot fuse
+buffers leave the barrier renamed, so they are materialised there: XLA cannot fuse
 the residual stream's running gradient sum (``dx + ...`` of every layer) into one
 late consumer, which would keep every layer's recomputed values and saved cuts
 alive to the end of the backward pass (plain-JAX GPT 4x256, segment plan: 113.8
@@ -32,6 +32,7 @@ from collections.abc import Collection, Iterable, Sequence
 import sympy
 
 from jaxmem.graph import Graph, Node, Value
+from jaxmem.memory import materialised
 from jaxmem.plan.offload import transfer_eqn
 from jaxmem.plan.residuals import HEAVY_KINDS, Residual, find_residuals, recompute_chain
 
@@ -223,7 +224,10 @@ class _Rewrite:
             self.last_read.update((v, n.index) for v in n.inputs)
         for v in graph.outputs:
             self.last_read.pop(v, None)  # outputs stay live to the end anyway
-        self.live: dict[int, None] = {}  # backward values read after the current node
+        self.live: dict[int, None] = {}  # backward buffers read after the current node
+        # Only values XLA gives a buffer anyway are pinned: passing a fused one (a
+        # broadcast cotangent) through a barrier would materialise it.
+        self.owner = materialised(graph)
 
     def track_live(self, node: Node) -> None:
         """Updates :attr:`live` once ``node`` has run."""
@@ -232,7 +236,8 @@ class _Rewrite:
                 self.live.pop(v, None)
         if node.is_backward:
             self.live.update((v, None) for v in node.outputs
-                             if self.last_read.get(v, -1) > node.index)
+                             if self.last_read.get(v, -1) > node.index
+                             and self.owner.get(v) == v)
 
     def new_value(self, like: int, on_host: bool = False) -> int:
         """A new value shaped like ``like`` (taking no device bytes on the host); its id."""
