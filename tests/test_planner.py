@@ -148,7 +148,9 @@ def test_levels_lower_the_symbolic_peak_and_choose_by_budget():
                         ShapeDomain.from_constraints(("b",), ("b <= 2048",)))
     assert plans.levels[0].recompute == () and len(plans.levels) > 1
     peaks = [lv.peak_fn({"b": 1024}) for lv in plans.levels]
-    assert all(later < earlier for earlier, later in zip(peaks, peaks[1:], strict=False))
+    # Largest first; two levels may tie here and differ elsewhere in the domain.
+    assert all(later <= earlier for earlier, later in zip(peaks, peaks[1:], strict=False))
+    assert peaks[-1] < peaks[0]
     assert plans.choose({"b": 1024}, None) == 0
     assert plans.choose({"b": 1024}, peaks[0]) == 0
     assert plans.choose({"b": 1024}, peaks[0] - 1) == 1
