@@ -30,6 +30,7 @@ from typing import Any
 
 import sympy
 
+from jaxmem.fastexpr import sum_at
 from jaxmem.graph import Graph
 from jaxmem.memory import memory_model
 from jaxmem.plan.knapsack import frontier, spread
@@ -93,7 +94,8 @@ def role_sets(graph: Graph, segs: Segments, plan: SegmentPlan, residuals: Sequen
     for r in chosen:
         roles[r.group].append(r)
     names = sorted(roles)
-    flops = {n.index: float(n.flops.subs(corner)) for n in graph.nodes
+    # Every layer repeats the same FLOP expressions: sum_at evaluates each once.
+    flops = {n.index: float(sum_at([n.flops], corner)) for n in graph.nodes
              if not n.is_backward and n.flops != 0}
     stays = set(keep) | set(graph.inputs) | {r.value for r in residuals} - {
         r.value for r in chosen}
@@ -104,7 +106,7 @@ def role_sets(graph: Graph, segs: Segments, plan: SegmentPlan, residuals: Sequen
         return sum(flops.get(i, 0.0) for i in _upstream(graph, targets, stays | values))
 
     everything = rerun_flops([])
-    items = [(float(sympy.Add(*[r.nbytes for r in roles[n]]).subs(corner)),
+    items = [(float(sum_at([r.nbytes for r in roles[n]], corner)),
               everything - rerun_flops(roles[n])) for n in names]
     front = frontier(items, ROLE_TOLERANCE)
     return [frozenset(names[k] for k in s) for _, _, s in spread(front, count)]
