@@ -94,6 +94,11 @@ def rewrite_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tup
     else:
         residuals = find_residuals(graph)
         recompute, offload = set(level.recompute), set(level.offload)
+        missing = sorted((recompute | offload) - {r.group for r in residuals})
+        if missing:
+            warnings.warn(f"jaxmem: the concrete trace has no residual group {missing} of "
+                          f"level {k}; those residuals stay saved at this shape", JaxmemWarning,
+                          stacklevel=3)
         rewritten = apply_remat(graph, [r for r in residuals if r.group in recompute],
                                 [r for r in residuals if r.group in offload], residuals)
     order = analysis.orders[k] if apply_order else None

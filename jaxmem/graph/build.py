@@ -51,11 +51,15 @@ class Builder:
         self.values: list[Value] = []
         self.nodes: list[Node] = []
         self.consts: list[tuple[int, Any]] = []
+        # Values computed from constants and dims alone, which a concrete trace of the
+        # same step may hold as literals.
+        self.constant: set[int] = set()
 
     def const_value(self, aval: Any, val: Any) -> int:
         """A new value the rewrite stage feeds in as the constant ``val``; returns its id."""
         vid = self.new_value(aval)
         self.consts.append((vid, val))
+        self.constant.add(vid)
         return vid
 
     def new_value(self, aval: Any) -> int:
@@ -76,6 +80,8 @@ class Builder:
                  params: tuple[tuple[str, Any], ...] = (), eqn: Any = None,
                  operands: Sequence[int | None] = ()) -> None:
         """Appends a :class:`~jaxmem.graph.Node` in program order (see its attributes)."""
+        if all(u in self.constant for u in inputs) and not subgraphs:
+            self.constant.update(outputs)
         self.nodes.append(Node(len(self.nodes), primitive, kind, tuple(inputs), tuple(outputs),
                                scope, subgraphs, flops if flops is not None else sympy.Integer(0),
                                params, eqn, tuple(operands)))
@@ -162,6 +168,10 @@ def default_rule(b: Builder, env: dict, eqn: Any, scope: str) -> None:
     """One node for ``eqn``, its outputs new values; an unknown primitive warns and is opaque."""
     name = eqn.primitive.name
     kind = kind_of(name)
+    if name == "gather" and all(read_operand(env, a) in b.constant for a in eqn.invars[1:]):
+        # JAX indexes an array with a symbolic dim by a gather at constant indices where
+        # it slices an array of static shape: XLA compiles the slice, which fuses.
+        kind = kind_of("slice")
     if kind == "unknown":
         if name in CALLBACK:
             warnings.warn(f"jaxmem: host callback {name!r} is treated as an opaque op whose "

@@ -63,6 +63,9 @@ class Residual:
         recompute_flops: symbolic cost of that recomputation.
         aliases: fused or view forward values derived from it that the backward
             pass reads; recomputing the residual recomputes and renames them too.
+        role: what tells it from residuals of the same scope and primitive.
+        label: the primitive as its group names it, where the two traces of one
+            step spell it differently (:func:`_label`); empty for ``primitive``.
     """
 
     value: int
@@ -75,34 +78,86 @@ class Residual:
     recompute_flops: sympy.Expr
     aliases: tuple[int, ...] = ()
     role: str = ""
+    label: str = ""
 
     @property
     def group(self) -> str:
         """A name shared by the same residual of every layer."""
-        return f"{_LAYER.sub('*', self.scope)}:{self.primitive}{self.role}"
+        return f"{_LAYER.sub('*', self.scope)}:{self.label or self.primitive}{self.role}"
 
 
-def _pattern(graph: Graph, r: Residual) -> tuple[Any, ...]:
+def _dynamic(graph: Graph) -> set[int]:
+    """Values computed from the step's arguments; the rest come from literals, constants
+    and dims alone, which a symbolic and a concrete trace spell differently."""
+    dyn = set(graph.inputs)
+    for n in graph.nodes:
+        if any(u in dyn for u in n.inputs):
+            dyn.update(n.outputs)
+    return dyn
+
+
+def _symbolic_only(graph: Graph, dyn: set[int], v: int) -> bool:
+    """A value only a symbolic trace has: a dim read as a number (``dim_as_value``; a
+    literal on a concrete trace) or the constant indices of a gather (:func:`_label`)."""
+    if v in dyn:
+        return False
+    p = graph.producers[v]
+    if graph.nodes[p].primitive == "dim_as_value":
+        return True
+    readers = [graph.nodes[i] for i in graph.consumers.get(v, ())]
+    return bool(readers) and all(n.primitive.startswith(("gather", "scatter"))
+                                 and v not in n.inputs[:1] for n in readers)
+
+
+def _label(graph: Graph, dyn: set[int], p: int) -> str:
+    """Node ``p``'s primitive, spelt the same on a symbolic and a concrete trace.
+
+    ``x[:, 0]`` is a ``slice`` (then a ``squeeze``) on an array of static shape, but
+    JAX's indexing takes a ``gather`` at constant indices once any dim is symbolic:
+    both are named ``slice``.
+    """
+    n = graph.nodes[p]
+    if n.primitive == "gather" and all(u not in dyn for u in n.inputs[1:]):
+        return "slice"
+    if n.primitive == "squeeze" and _producer_primitive(graph, n.inputs[0]) == "slice":
+        return "slice"
+    return n.primitive
+
+
+def _producer_primitive(graph: Graph, v: int) -> str:
+    p = graph.producers.get(v)
+    return graph.nodes[p].primitive if p is not None else "input"
+
+
+def _made_from(graph: Graph, dyn: set[int], p: int) -> tuple[str, ...]:
+    """The primitives making node ``p``'s inputs from the arguments (what is made from
+    constants alone is a literal on one trace and computed on the other); for a ``slice``
+    (:func:`_label`), those making the sliced array."""
+    node = graph.nodes[p]
+    inputs = [u for u in node.inputs if u in dyn]
+    if inputs and node.primitive == "squeeze" and _label(graph, dyn, p) == "slice":
+        inputs = list(graph.nodes[graph.producers[inputs[0]]].inputs[:1])
+    return tuple(sorted({_producer_primitive(graph, u) for u in inputs}))
+
+
+def _pattern(graph: Graph, dyn: set[int], r: Residual) -> tuple[Any, ...]:
     """What computation makes ``r`` and what reads it, one operation either side: the
     primitives, ranks and dtypes, never sizes (a concrete trace must give its twin the
     same patterns) and never further away (a layer's first op reads the previous layer,
     the first layer's reads the embedding: one step keeps the pattern inside the layer)."""
     value = graph.values[r.value]
-    producers, nodes = graph.producers, graph.nodes
-    made_from = sorted({nodes[producers[u]].primitive if u in producers else "input"
-                        for u in nodes[r.producer].inputs})
     # Sets, not counts: the first layer's backward reads less (no input gradient).
-    read_by = sorted({nodes[i].primitive for i in graph.consumers.get(r.value, ())})
-    return len(value.shape), value.dtype, tuple(made_from), tuple(read_by)
+    read_by = sorted({graph.nodes[i].primitive for i in graph.consumers.get(r.value, ())})
+    return len(value.shape), value.dtype, _made_from(graph, dyn, r.producer), tuple(read_by)
 
 
-def _roles(graph: Graph, residuals: Sequence[Residual]) -> list[Residual]:
+def _roles(graph: Graph, dyn: set[int], residuals: Sequence[Residual]) -> list[Residual]:
     """``residuals`` with a role where residuals of one label (scope and primitive)
     play different parts (:func:`_pattern`): ``(dot_general,add)`` after the label
     names the operations that make the residual's inputs, ``#k`` where those clash."""
     by_label: dict[str, dict[Any, list[int]]] = {}
     for k, r in enumerate(residuals):
-        by_label.setdefault(r.group, {}).setdefault(_pattern(graph, r), []).append(k)
+        by_label.setdefault(r.group, {}).setdefault(_pattern(graph, dyn, r), []).append(k)
     out = list(residuals)
     for patterns in by_label.values():
         if len(patterns) < 2:
@@ -179,7 +234,10 @@ def find_residuals(graph: Graph) -> tuple[Residual, ...]:
                     aliases.setdefault(s, {})[v] = None
     kept = set(candidates) | inputs | {v for v, _ in graph.consts}
     out = []
+    dyn = _dynamic(graph)
     for v, first in sorted(candidates.items(), key=lambda kv: producers[kv[0]]):
+        if _symbolic_only(graph, dyn, v):
+            continue  # a few bytes, and no group a concrete trace could find
         al = tuple(a for a in aliases.get(v, {}) if a != v)
         if any(recompute_chain(graph, a, kept) is None for a in al):
             continue  # its aliases could not be re-derived even from the residual itself
@@ -188,9 +246,11 @@ def find_residuals(graph: Graph) -> tuple[Residual, ...]:
         chain = recompute_chain(graph, v, kept - {v}) or ()
         flops = sympy.expand(sum((nodes[i].flops for i in chain), sympy.Integer(0)))
         p = producers[v]
+        label = _label(graph, dyn, p)
         out.append(Residual(v, p, nodes[p].primitive, clean_scope(nodes[p].scope),
-                            graph.values[v].nbytes, first, chain, flops, al))
-    return tuple(_roles(graph, out))
+                            graph.values[v].nbytes, first, chain, flops, al,
+                            label="" if label == nodes[p].primitive else label))
+    return tuple(_roles(graph, dyn, out))
 
 
 def recompute_chain(graph: Graph, value: int, leaves: set[int], max_heavy: int | None = None,
