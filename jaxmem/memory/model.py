@@ -46,6 +46,7 @@ import sympy
 from jaxmem.graph import Graph
 from jaxmem.memory.assign import assignment_peak
 from jaxmem.memory.frontier import distinct, sample_values, undominated, undominated_table
+from jaxmem.memory.fusion import materialised, used_nodes
 from jaxmem.memory.liveness import Buffer, liveness
 from jaxmem.memory.points import PointTable, distinct_rows, live_table
 from jaxmem.memory.schedule import xla_order
@@ -186,8 +187,11 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
         A :class:`MemoryModel`.
     """
     backend = backend or jax.default_backend()
-    order = xla_order(graph, backend) if order is None else list(order)
-    buffers = liveness(graph, order, backend)
+    # Which values XLA materialises, and which ops are live: once per model, as both the
+    # order and the live ranges need them (they were a fifth of a model's time).
+    owner, used = materialised(graph), used_nodes(graph)
+    order = xla_order(graph, backend, owner, used) if order is None else list(order)
+    buffers = liveness(graph, order, backend, owner, used)
     n = len(order)
     tally: collections.Counter[str] = collections.Counter()
     bodies = _bodies(graph, order, dom, symbolic, backend)

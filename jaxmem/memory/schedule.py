@@ -37,12 +37,15 @@ from jaxmem.memory.fusion import materialised, used_nodes
 BFS_BACKENDS = ("cpu",)
 
 
-def xla_order(graph: Graph, backend: str) -> list[int]:
+def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
+              used: list[bool] | None = None) -> list[int]:
     """The node order XLA's scheduler on ``backend`` runs ``graph`` in.
 
     Args:
         graph: the graph.
         backend: a JAX platform name.
+        owner: ``materialised(graph)``, when the caller has it.
+        used: ``used_nodes(graph)``, when the caller has it.
 
     Returns:
         A permutation of the node indices (program order where the backend's
@@ -51,14 +54,15 @@ def xla_order(graph: Graph, backend: str) -> list[int]:
     n = len(graph.nodes)
     if backend not in BFS_BACKENDS or n == 0:
         return list(range(n))
-    fused = _joins_consumer(graph)
+    owner = materialised(graph) if owner is None else owner
+    used = used_nodes(graph) if used is None else used
+    fused = _joins_consumer(graph, owner, used)
     preds = _instruction_operands(graph, fused)
     users: dict[int, list[int]] = collections.defaultdict(list)
     for i, ps in enumerate(preds):
         for p in ps:
             users[p].append(i)
     waiting = [len(ps) for ps in preds]
-    used = used_nodes(graph)
     # Dead code (which XLA removes, and the memory model ignores) runs last: it must not
     # pull the values it reads forward.
     queue = collections.deque(i for i in range(n)
@@ -77,18 +81,16 @@ def xla_order(graph: Graph, backend: str) -> list[int]:
     return order
 
 
-def _joins_consumer(graph: Graph) -> list[bool]:
+def _joins_consumer(graph: Graph, owner: dict[int, int], used: list[bool]) -> list[bool]:
     """Per node, whether it runs with its first consumer rather than as an instruction of
     its own: a fused value, or one computed from constants alone (a broadcast zero, an
     iota), which XLA folds into its consumer (a scatter into zeros becomes a ``pad``)."""
-    owner = materialised(graph)
     producers, inputs = graph.producers, set(graph.inputs)
     constant: list[bool] = []
     for node in graph.nodes:  # program order is topological
         constant.append(node.kind != "control" and not node.subgraphs and all(
             v not in inputs and (v not in producers or constant[producers[v]])
             for v in node.inputs))
-    used = used_nodes(graph)
     return [used[i] and (c or (bool(node.outputs) and all(owner.get(o, o) == -1
                                                           for o in node.outputs)))
             for i, (c, node) in enumerate(zip(constant, graph.nodes, strict=True))]
