@@ -62,22 +62,32 @@ def greedy_assignment(sizes: np.ndarray, spans: Sequence[tuple[int, int]],
         alloc: bytes of each output allocation.
         writes: position where each output is written (it is occupied from there on).
     """
-    by_size = sorted(range(len(alloc)), key=lambda a: (alloc[a], writes[a]))
-    keys = [alloc[a] for a in by_size]
-    starts: list[list[int]] = [[] for _ in alloc]  # per allocation: its occupants, sorted
-    ends: list[list[int]] = [[] for _ in alloc]
-    out = [-1] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], spans[i][0])):
-        s, t = spans[i]
-        if sizes[i] <= 0:
+    # Python floats and lists in the loop (numpy scalars were most of its time); stable
+    # sorts on the same keys as ``sorted(key=(alloc, write))`` and ``(-size, start)``.
+    sizes_l, alloc_l = np.asarray(sizes).tolist(), np.asarray(alloc).tolist()
+    first = [s for s, _ in spans]
+    by_size = np.lexsort((np.asarray(writes, dtype=np.int64).reshape(-1),
+                          np.asarray(alloc_l, dtype=np.float64).reshape(-1))).tolist()
+    keys = [alloc_l[a] for a in by_size]
+    starts: list[list[int]] = [[] for _ in alloc_l]  # per allocation: its occupants, sorted
+    ends: list[list[int]] = [[] for _ in alloc_l]
+    out = [-1] * len(sizes_l)
+    temps = np.lexsort((np.asarray(first, dtype=np.int64).reshape(-1),
+                        -np.asarray(sizes_l, dtype=np.float64).reshape(-1))).tolist()
+    for i in temps:
+        size = sizes_l[i]
+        if size <= 0:
             continue
-        for a in by_size[bisect.bisect_left(keys, sizes[i]):]:
+        s, t = spans[i]
+        for k in range(bisect.bisect_left(keys, size), len(by_size)):
+            a = by_size[k]
             if writes[a] <= t:
                 continue
-            j = bisect.bisect_left(starts[a], s)
-            if (j > 0 and ends[a][j - 1] >= s) or (j < len(starts[a]) and starts[a][j] <= t):
+            occupants = starts[a]
+            j = bisect.bisect_left(occupants, s)
+            if (j > 0 and ends[a][j - 1] >= s) or (j < len(occupants) and occupants[j] <= t):
                 continue
-            starts[a].insert(j, s)
+            occupants.insert(j, s)
             ends[a].insert(j, t)
             out[i] = a
             break
@@ -133,8 +143,9 @@ def _sampled(temps: Sequence[Temp], outputs: Sequence[tuple[sympy.Expr, int]],
     samples = dom.sample_points()
     exprs = [*[e for e, _, _ in temps], *[k for k, _ in outputs],
              *[extra[p] for p in sorted(extra)]]
-    distinct = list(dict.fromkeys(exprs))
-    index = np.array([distinct.index(e) for e in exprs], dtype=np.int64)
+    column: dict[sympy.Expr, int] = {}
+    index = np.array([column.setdefault(e, len(column)) for e in exprs], dtype=np.int64)
+    distinct = list(column)
     fn = sympy.lambdify([sym(n) for n in dom.symbols], distinct, modules=["math"])
     vals = np.array([np.asarray(fn(*[p[n] for n in dom.symbols]), dtype=np.float64)
                      .reshape(-1) for p in samples]).reshape(len(samples), -1)

@@ -71,13 +71,15 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
     placed = [False] * n
     while queue:
         i = queue.popleft()
-        _place(graph, i, fused, placed, order)
+        if not placed[i]:
+            _place(graph, i, fused, placed, order)
         for u in users[i]:
             waiting[u] -= 1
             if not waiting[u] and used[u]:
                 queue.append(u)
     for i in range(n):  # the dead code
-        _place(graph, i, fused, placed, order)
+        if not placed[i]:
+            _place(graph, i, fused, placed, order)
     return order
 
 
