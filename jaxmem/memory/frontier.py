@@ -87,8 +87,13 @@ def undominated_table(table: PointTable, tally: collections.Counter[str]) -> lis
 
 def _sweep(matrix: np.ndarray, tally: collections.Counter[str]) -> list[int]:
     """Rows of ``matrix`` that no later-kept row dominates (the sweep of :func:`undominated`)."""
+    # A row some earlier row dominates is dropped on arrival whatever the sweep kept so far
+    # (a dominating row no longer kept was dropped for one that dominates it too): those
+    # near a dominating row are found in one vectorised pass, the rest swept one by one.
+    nearby = _dominated_nearby(matrix, _WINDOW)
+    tally["symbolic"] += int(nearby.sum())
     rows = np.zeros(0, dtype=np.int64)  # rows of ``matrix`` kept so far
-    for i in range(len(matrix)):
+    for i in np.flatnonzero(~nearby).tolist():
         kept, row = matrix[rows], matrix[i]
         if (kept >= row).all(axis=1).any():
             tally["symbolic"] += 1
@@ -99,6 +104,20 @@ def _sweep(matrix: np.ndarray, tally: collections.Counter[str]) -> list[int]:
             tally["symbolic"] += 1
         rows = np.append(rows, i)
     return [int(i) for i in rows]
+
+
+#: How many preceding rows :func:`_dominated_nearby` compares each row with: adjacent
+#: program points differ by a buffer or two, so a falling point is mostly dominated by
+#: one just before it.
+_WINDOW = 8
+
+
+def _dominated_nearby(matrix: np.ndarray, window: int) -> np.ndarray:
+    """Per row, whether one of the ``window`` rows before it is ``>=`` it everywhere."""
+    out = np.zeros(len(matrix), dtype=bool)
+    for d in range(1, min(window, len(matrix) - 1) + 1):
+        out[d:] |= (matrix[:-d] >= matrix[d:]).all(axis=1)
+    return out
 
 
 def _coefficients(points: Sequence[LinExpr], order: Sequence[int]) -> np.ndarray | None:

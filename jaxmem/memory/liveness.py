@@ -127,8 +127,12 @@ def _definitions_and_uses(graph: Graph, order: Sequence[int], owner: dict[int, i
         if not used[ni]:
             continue  # dead code: XLA removes it
         for i in n.inputs:
+            o = owner.get(i, i)
+            if o != -1:  # a buffer of its own (or a view of one): read in place
+                last_use[o] = p  # positions only grow: the latest reader is the last
+                continue
             for s in srcs(i):
-                last_use[s] = p  # positions only grow: the latest reader is the last
+                last_use[s] = p
         for o in n.outputs:
             if o not in first_def and owner.get(o) == o:
                 first_def[o] = p
