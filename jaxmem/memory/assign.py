@@ -72,12 +72,13 @@ def greedy_assignment(sizes: np.ndarray, spans: Sequence[tuple[int, int]],
     starts: list[list[int]] = [[] for _ in alloc_l]  # per allocation: its occupants, sorted
     ends: list[list[int]] = [[] for _ in alloc_l]
     out = [-1] * len(sizes_l)
-    temps = np.lexsort((np.asarray(first, dtype=np.int64).reshape(-1),
-                        -np.asarray(sizes_l, dtype=np.float64).reshape(-1))).tolist()
-    for i in temps:
+    order = np.lexsort((np.asarray(first, dtype=np.int64).reshape(-1),
+                        -np.asarray(sizes_l, dtype=np.float64).reshape(-1)))
+    # Only temporaries some allocation can hold are tried (the others find none).
+    largest = max(alloc_l, default=0.0)
+    fit = np.asarray(sizes_l, dtype=np.float64).reshape(-1)[order]
+    for i in order[(fit > 0) & (fit <= largest)].tolist():
         size = sizes_l[i]
-        if size <= 0:
-            continue
         s, t = spans[i]
         for k in range(bisect.bisect_left(keys, size), len(by_size)):
             a = by_size[k]
@@ -169,12 +170,25 @@ def _heap_table(plan: Sequence[int], sizes: np.ndarray, alloc: np.ndarray,
     if spans:
         first = np.array([s for s, _ in spans])
         last = np.array([t for _, t in spans]) + 1
-        np.add.at(diff, first, heap.T)
-        np.add.at(diff, last, -heap.T)
+        if heap.sum() < 2 ** 52:
+            # Integral byte counts sum exactly in any order: one sorted reduction instead
+            # of np.add.at (half of this function's time).
+            _add_rows(diff, np.concatenate([first, last]), np.concatenate([heap.T, -heap.T]))
+        else:
+            np.add.at(diff, first, heap.T)
+            np.add.at(diff, last, -heap.T)
     table = np.cumsum(diff, axis=0)[:n_points].T
     if extra_pos:
         table[:, extra_pos] += extras
     return table
+
+
+def _add_rows(out: np.ndarray, index: np.ndarray, rows: np.ndarray) -> None:
+    """``np.add.at(out, index, rows)`` by sorting ``index`` and reducing each run."""
+    order = np.argsort(index, kind="stable")
+    idx = index[order]
+    starts = np.flatnonzero(np.concatenate([[True], idx[1:] != idx[:-1]]))
+    out[idx[starts]] += np.add.reduceat(rows[order], starts, axis=0)
 
 
 def _cover_plans(tables: Sequence[np.ndarray]) -> list[int]:
