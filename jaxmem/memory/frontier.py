@@ -31,6 +31,7 @@ import sympy
 from jaxmem.fastexpr import compile_expr
 from jaxmem.memory.points import PointTable, distinct_rows
 from jaxmem.symbolic import ShapeDomain, is_exact, sym
+from jaxmem.symbolic.bounds import integer_poly, poly_sign
 
 LinExpr = dict[sympy.Expr, sympy.Expr]  # monomial -> coefficient; all monomials are >= 1
 
@@ -138,6 +139,37 @@ def _coefficients(points: Sequence[LinExpr], order: Sequence[int]) -> np.ndarray
                 return None
             out[i, monomials[m]] = value
     return out
+
+
+def row_sign(a: LinExpr, b: LinExpr, dom: ShapeDomain,
+             exponents: dict[sympy.Expr, tuple[int, ...] | None]) -> int | None:
+    """:func:`~jaxmem.symbolic.bounds.poly_sign` of ``a - b`` from the points' integer
+    coefficients, without building the sympy difference :func:`~jaxmem.symbolic.compare`
+    would expand: what ``compare`` answers for it where this returns a sign.
+
+    None where the difference's coefficients have one sign (``compare``'s own first
+    test decides those), a coefficient is not an integer, or a monomial is not one of
+    the domain's symbols' (``exponents`` caches each monomial's exponent tuple).
+    """
+    poly: dict[tuple[int, ...], int] = {}
+    for m in {**a, **b}:
+        c = a.get(m, 0) - b.get(m, 0)
+        if c == 0:
+            continue
+        if not (isinstance(c, int) or getattr(c, "is_Integer", False)):
+            return None
+        if m not in exponents:
+            mono = integer_poly(m, dom.symbols)
+            exponents[m] = next(iter(mono)) if mono is not None and mono.keys() and list(
+                mono.values()) == [1] else None
+        e = exponents[m]
+        if e is None:
+            return None
+        poly[e] = poly.get(e, 0) + int(c)
+    poly = {e: c for e, c in poly.items() if c != 0}
+    if all(c >= 0 for c in poly.values()) or all(c <= 0 for c in poly.values()):
+        return None
+    return poly_sign(poly, dom)
 
 
 def sample_values(points: Sequence[LinExpr], keep: Sequence[int], dom: ShapeDomain

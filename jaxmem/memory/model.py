@@ -45,12 +45,18 @@ import sympy
 
 from jaxmem.graph import Graph
 from jaxmem.memory.assign import assignment_peak
-from jaxmem.memory.frontier import distinct, sample_values, undominated, undominated_table
+from jaxmem.memory.frontier import (
+    distinct,
+    row_sign,
+    sample_values,
+    undominated,
+    undominated_table,
+)
 from jaxmem.memory.fusion import materialised, used_nodes
 from jaxmem.memory.liveness import Buffer, liveness
 from jaxmem.memory.points import PointTable, distinct_rows, live_table
 from jaxmem.memory.schedule import xla_order
-from jaxmem.symbolic import Cmp, ShapeDomain, compare, signs_differ, sym
+from jaxmem.symbolic import Cmp, Comparison, ShapeDomain, compare, signs_differ, sym
 
 POINTER_BYTES = 8  # one entry of a tuple's table of buffer pointers (64-bit hosts)
 
@@ -335,6 +341,7 @@ def _frontier(points: list[LinExpr] | PointTable, dom: ShapeDomain,
     survivors: list[int] = []
     budget = _COMPARE_BUDGET
     values = sample_values(points, keep, dom)
+    exponents: dict = {}  # monomial -> exponent tuple, for row_sign
     for p in keep:
         expr = _to_expr(points[p])
         dominated = False
@@ -348,7 +355,10 @@ def _frontier(points: list[LinExpr] | PointTable, dom: ShapeDomain,
                 # witness, decided at the sample points).
                 tally["fallback"] += 1
                 continue
-            c = compare(expr, _to_expr(points[q]), dom, symbolic=symbolic)
+            # compare's answer where the integer proof settles it, without sympy.
+            sign = row_sign(points[p], points[q], dom, exponents) if symbolic else None
+            c = (Comparison(Cmp.GT if sign > 0 else Cmp.LT, None, "symbolic") if sign
+                 else compare(expr, _to_expr(points[q]), dom, symbolic=symbolic))
             tally[c.decided_by] += 1
             if c.result in (Cmp.LT, Cmp.LE, Cmp.EQ):
                 dominated = True

@@ -53,7 +53,19 @@ def box_sign(diff: sympy.Expr, dom: ShapeDomain) -> int | None:
         integer polynomial of the domain's symbols).
     """
     poly = integer_poly(diff, dom.symbols)
-    if poly is None or any(lo < 1 for lo in dom.lower):
+    return None if poly is None else poly_sign(poly, dom)
+
+
+def poly_sign(poly: Poly, dom: ShapeDomain) -> int | None:
+    """:func:`box_sign` of a polynomial given as exponent tuples (one per domain symbol)
+    and integer coefficients.
+
+    Example:
+        >>> dom = ShapeDomain.from_constraints(("b",), ("b <= 8",))
+        >>> poly_sign({(2,): -1, (0,): 65}, dom), poly_sign({(1,): 1, (0,): -4}, dom)
+        (1, None)
+    """
+    if any(lo < 1 for lo in dom.lower):
         return None
     for sign in (1, -1):
         p = poly if sign == 1 else {e: -c for e, c in poly.items()}
@@ -118,7 +130,8 @@ def _positive_by_absorption(poly: Poly, dom: ShapeDomain) -> bool:
         if c >= 0:
             continue
         best = None
-        for m, left in budget.items():
+        for m in sorted(budget):  # sorted: the proof depends on the terms, not their order
+            left = budget[m]
             ratio = _max_ratio(exps, m, dom)
             if ratio is not None and -c * ratio <= left and (best is None or ratio < best[1]):
                 best = (m, ratio)
