@@ -343,7 +343,7 @@ def _frontier(points: list[LinExpr] | PointTable, dom: ShapeDomain,
     values = sample_values(points, keep, dom)
     exponents: dict = {}  # monomial -> exponent tuple, for row_sign
     for p in keep:
-        expr = _to_expr(points[p])
+        expr = None  # built only for compare
         dominated = False
         for q in list(survivors):
             if budget <= 0:
@@ -357,8 +357,11 @@ def _frontier(points: list[LinExpr] | PointTable, dom: ShapeDomain,
                 continue
             # compare's answer where the integer proof settles it, without sympy.
             sign = row_sign(points[p], points[q], dom, exponents) if symbolic else None
-            c = (Comparison(Cmp.GT if sign > 0 else Cmp.LT, None, "symbolic") if sign
-                 else compare(expr, _to_expr(points[q]), dom, symbolic=symbolic))
+            if sign:
+                c = Comparison(Cmp.GT if sign > 0 else Cmp.LT, None, "symbolic")
+            else:
+                expr = _to_expr(points[p]) if expr is None else expr
+                c = compare(expr, _to_expr(points[q]), dom, symbolic=symbolic)
             tally[c.decided_by] += 1
             if c.result in (Cmp.LT, Cmp.LE, Cmp.EQ):
                 dominated = True
