@@ -9,7 +9,8 @@ thousand points and was spending most of its memory-model time in per-pair
 dictionary comparisons). :func:`sample_values` gives the exact value of each
 remaining point at the domain's sample points, so that pairs whose order
 changes between two sample points need no sympy comparison
-(:func:`jaxmem.symbolic.signs_differ`).
+(:func:`jaxmem.symbolic.signs_differ`), and :func:`row_sign` gives the answer of
+the comparison's integer proof from two points' coefficients, without sympy.
 
 Example:
     >>> import collections, sympy
@@ -159,9 +160,8 @@ def row_sign(a: LinExpr, b: LinExpr, dom: ShapeDomain,
         if not (isinstance(c, int) or getattr(c, "is_Integer", False)):
             return None
         if m not in exponents:
-            mono = integer_poly(m, dom.symbols)
-            exponents[m] = next(iter(mono)) if mono is not None and mono.keys() and list(
-                mono.values()) == [1] else None
+            mono = integer_poly(m, dom.symbols)  # a monomial: {its exponents: 1}
+            exponents[m] = next(iter(mono)) if mono and list(mono.values()) == [1] else None
         e = exponents[m]
         if e is None:
             return None
