@@ -53,7 +53,8 @@ REFERENCES = 24
 
 
 def greedy_assignment(sizes: np.ndarray, spans: Sequence[tuple[int, int]],
-                      alloc: np.ndarray, writes: Sequence[int]) -> tuple[int, ...]:
+                      alloc: np.ndarray, writes: Sequence[int],
+                      first: np.ndarray | None = None) -> tuple[int, ...]:
     """XLA's placement at one shape: per temporary, the output allocation it sits in or -1.
 
     Args:
@@ -61,22 +62,24 @@ def greedy_assignment(sizes: np.ndarray, spans: Sequence[tuple[int, int]],
         spans: (first, last) position of each temporary.
         alloc: bytes of each output allocation.
         writes: position where each output is written (it is occupied from there on).
+        first: the spans' first positions as an array, when the caller has it (one
+            model runs the placement at 24 shapes over the same spans).
     """
     # Python floats and lists in the loop (numpy scalars were most of its time); stable
     # sorts on the same keys as ``sorted(key=(alloc, write))`` and ``(-size, start)``.
-    sizes_l, alloc_l = np.asarray(sizes).tolist(), np.asarray(alloc).tolist()
-    first = [s for s, _ in spans]
+    size_arr = np.asarray(sizes).reshape(-1)
+    sizes_l, alloc_l = size_arr.tolist(), np.asarray(alloc).tolist()
+    first = np.array([s for s, _ in spans], dtype=np.int64) if first is None else first
     by_size = np.lexsort((np.asarray(writes, dtype=np.int64).reshape(-1),
                           np.asarray(alloc_l, dtype=np.float64).reshape(-1))).tolist()
     keys = [alloc_l[a] for a in by_size]
     starts: list[list[int]] = [[] for _ in alloc_l]  # per allocation: its occupants, sorted
     ends: list[list[int]] = [[] for _ in alloc_l]
     out = [-1] * len(sizes_l)
-    order = np.lexsort((np.asarray(first, dtype=np.int64).reshape(-1),
-                        -np.asarray(sizes_l, dtype=np.float64).reshape(-1)))
+    order = np.lexsort((first.reshape(-1), -size_arr.astype(np.float64)))
     # Only temporaries some allocation can hold are tried (the others find none).
     largest = max(alloc_l, default=0.0)
-    fit = np.asarray(sizes_l, dtype=np.float64).reshape(-1)[order]
+    fit = size_arr[order]
     for i in order[(fit > 0) & (fit <= largest)].tolist():
         size = sizes_l[i]
         s, t = spans[i]
@@ -121,7 +124,8 @@ def assignment_peak(temps: Sequence[Temp], outputs: Sequence[tuple[sympy.Expr, i
     samples, sizes, alloc, extras = _sampled(temps, outputs, extra, dom)
     spans = [(max(s, 0), min(t, n_points - 1)) for _, s, t in temps]
     writes = [w for _, w in outputs]
-    plans = list(dict.fromkeys(greedy_assignment(sizes[r], spans, alloc[r], writes)
+    first = np.array([s for s, _ in spans], dtype=np.int64)
+    plans = list(dict.fromkeys(greedy_assignment(sizes[r], spans, alloc[r], writes, first)
                                for r in range(min(REFERENCES, len(samples)))))
     extra_pos = sorted(extra)
     tables = [_heap_table(plan, sizes, alloc, spans, n_points, extra_pos, extras)

@@ -249,9 +249,11 @@ class _Rewrite:
 
     def track_live(self, node: Node) -> None:
         """Updates :attr:`live` once ``node`` has run."""
-        for v in node.inputs:
-            if self.last_read.get(v) == node.index:
-                self.live.pop(v, None)
+        live, last_read = self.live, self.last_read
+        if live:  # empty through the forward pass: nothing to drop
+            for v in node.inputs:
+                if last_read.get(v) == node.index:
+                    live.pop(v, None)
         if node.is_backward:
             self.live.update((v, None) for v in node.outputs
                              if self.last_read.get(v, -1) > node.index
