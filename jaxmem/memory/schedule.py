@@ -101,8 +101,9 @@ def _joins_consumer(graph: Graph, owner: dict[int, int], used: list[bool]) -> li
 def _instruction_operands(graph: Graph, fused: list[bool]) -> list[tuple[int, ...]]:
     """Per node, the non-fused nodes it waits for (through the fused values it reads).
 
-    One pass in program order (topological): a fused node's sources are known before
-    any reader needs them (a recursive walk was a third of ``xla_order``'s time on the
+    One pass in program order (topological, as :func:`_joins_consumer` and
+    :func:`~jaxmem.memory.fusion.used_nodes` also require): a fused node's sources are
+    known before any reader needs them (a recursive walk was a third of ``xla_order``'s time on the
     barriers of a rewritten step, which read hundreds of values each).
     """
     producers = graph.producers
