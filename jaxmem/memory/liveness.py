@@ -89,7 +89,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
                              reuse_end, in_output, size)
     for x in (*transposed_copies(graph, order, owner, size),
               *epilogue_broadcasts(graph, order, owner, first_def),
-              *operand_copies(graph, order, owner, backend)):
+              *operand_copies(graph, order, owner, backend, widened)):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
     return tuple(buffers)
 
