@@ -73,3 +73,42 @@ def test_symbolic_sizes_hide_only_where_they_fit() -> None:
     for v in (1, 25, 26, 64):
         hidden = 4 * v if 4 * v <= 100 else 0
         assert int(expr.subs(b, v)) == 8 * v - hidden
+
+
+def _plain_greedy(sizes, spans, alloc, writes) -> tuple[int, ...]:
+    """The placement loop as first written (sorted with key functions, numpy scalars)."""
+    import bisect
+
+    by_size = sorted(range(len(alloc)), key=lambda a: (alloc[a], writes[a]))
+    keys = [alloc[a] for a in by_size]
+    starts, ends = [[] for _ in alloc], [[] for _ in alloc]
+    out = [-1] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], spans[i][0])):
+        s, t = spans[i]
+        if sizes[i] <= 0:
+            continue
+        for a in by_size[bisect.bisect_left(keys, sizes[i]):]:
+            j = bisect.bisect_left(starts[a], s)
+            if writes[a] <= t or (j > 0 and ends[a][j - 1] >= s) or (
+                    j < len(starts[a]) and starts[a][j] <= t):
+                continue
+            starts[a].insert(j, s)
+            ends[a].insert(j, t)
+            out[i] = a
+            break
+    return tuple(out)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(-1, 4), st.integers(0, 19), st.integers(0, 4)),
+                max_size=30),
+       st.lists(st.tuples(st.integers(0, 4), st.integers(0, 24)), max_size=8))
+def test_greedy_assignment_equals_the_plain_loop(temps, outs) -> None:
+    # Small ranges: many ties in size, start, allocation and write, which the stable
+    # sorts must break as the plain loop does.
+    sizes = np.array([4.0 * e for e, _, _ in temps])
+    spans = [(s, s + d) for _, s, d in temps]
+    alloc = np.array([4.0 * k for k, _ in outs])
+    writes = [w for _, w in outs]
+    assert greedy_assignment(sizes, spans, alloc, writes) == _plain_greedy(
+        sizes, spans, alloc, writes)

@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxmem.fastexpr import compile_expr
-from jaxmem.memory.frontier import dominates, sample_values, undominated
-from jaxmem.symbolic import ShapeDomain, sym
+from jaxmem.memory.frontier import dominates, row_sign, sample_values, undominated
+from jaxmem.symbolic import Cmp, ShapeDomain, compare, sym
 
 B, S = sym("b"), sym("s")
 MONOMIALS = [sympy.Integer(1), B, S, B * S, B * S ** 2]
@@ -64,3 +64,31 @@ def test_sample_values_are_exact(points) -> None:
     for p, pt in enumerate(points):
         f = compile_expr([B, S], sympy.Add(*[c * m for m, c in pt.items()]))
         assert values[p] == tuple(f(x["b"], x["s"]) for x in dom.sample_points())
+
+
+wide = st.dictionaries(st.sampled_from(MONOMIALS), st.integers(-10 ** 6, 10 ** 6).map(
+    sympy.Integer), min_size=1, max_size=5)
+
+
+@given(wide, wide)
+def test_row_sign_is_what_compare_answers(a, b) -> None:
+    dom = ShapeDomain.from_constraints(("b", "s"), ("b <= 8", "s <= 512"))
+    sign = row_sign(a, b, dom, {})
+    expr = lambda d: sympy.Add(*[c * m for m, c in d.items()])  # noqa: E731
+    c = compare(expr(a), expr(b), dom)
+    if sign is not None:
+        assert c.result == (Cmp.GT if sign > 0 else Cmp.LT) and c.decided_by == "symbolic"
+    coeffs = [a.get(m, 0) - b.get(m, 0) for m in MONOMIALS]
+    if c.result in (Cmp.GT, Cmp.LT) and min(coeffs) < 0 < max(coeffs):
+        # A mixed-sign difference compare proves one-signed: row_sign proves it too,
+        # unless only factoring could (then it must say so by refusing, not by a sign).
+        assert sign in (None, 1 if c.result == Cmp.GT else -1)
+
+
+def test_row_sign_decides_a_memory_model_difference() -> None:
+    dom = ShapeDomain.from_constraints(("b", "s"), ("b <= 8", "s <= 512"))
+    a = {B * S ** 2: sympy.Integer(128), sympy.Integer(1): sympy.Integer(-4)}
+    b = {B * S: sympy.Integer(513048)}
+    assert row_sign(a, b, dom, {}) == -1
+    assert row_sign(b, a, dom, {}) == 1
+    assert row_sign({B: sympy.Integer(2)}, {B: sympy.Integer(1)}, dom, {}) is None  # one sign

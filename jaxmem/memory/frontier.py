@@ -9,7 +9,8 @@ thousand points and was spending most of its memory-model time in per-pair
 dictionary comparisons). :func:`sample_values` gives the exact value of each
 remaining point at the domain's sample points, so that pairs whose order
 changes between two sample points need no sympy comparison
-(:func:`jaxmem.symbolic.signs_differ`).
+(:func:`jaxmem.symbolic.signs_differ`), and :func:`row_sign` gives the answer of
+the comparison's integer proof from two points' coefficients, without sympy.
 
 Example:
     >>> import collections, sympy
@@ -31,6 +32,7 @@ import sympy
 from jaxmem.fastexpr import compile_expr
 from jaxmem.memory.points import PointTable, distinct_rows
 from jaxmem.symbolic import ShapeDomain, is_exact, sym
+from jaxmem.symbolic.bounds import integer_poly, poly_sign
 
 LinExpr = dict[sympy.Expr, sympy.Expr]  # monomial -> coefficient; all monomials are >= 1
 
@@ -87,8 +89,13 @@ def undominated_table(table: PointTable, tally: collections.Counter[str]) -> lis
 
 def _sweep(matrix: np.ndarray, tally: collections.Counter[str]) -> list[int]:
     """Rows of ``matrix`` that no later-kept row dominates (the sweep of :func:`undominated`)."""
+    # A row some earlier row dominates is dropped on arrival whatever the sweep kept so far
+    # (a dominating row no longer kept was dropped for one that dominates it too): those
+    # near a dominating row are found in one vectorised pass, the rest swept one by one.
+    nearby = _dominated_nearby(matrix, _WINDOW)
+    tally["symbolic"] += int(nearby.sum())
     rows = np.zeros(0, dtype=np.int64)  # rows of ``matrix`` kept so far
-    for i in range(len(matrix)):
+    for i in np.flatnonzero(~nearby).tolist():
         kept, row = matrix[rows], matrix[i]
         if (kept >= row).all(axis=1).any():
             tally["symbolic"] += 1
@@ -99,6 +106,20 @@ def _sweep(matrix: np.ndarray, tally: collections.Counter[str]) -> list[int]:
             tally["symbolic"] += 1
         rows = np.append(rows, i)
     return [int(i) for i in rows]
+
+
+#: How many preceding rows :func:`_dominated_nearby` compares each row with: adjacent
+#: program points differ by a buffer or two, so a falling point is mostly dominated by
+#: one just before it.
+_WINDOW = 8
+
+
+def _dominated_nearby(matrix: np.ndarray, window: int) -> np.ndarray:
+    """Per row, whether one of the ``window`` rows before it is ``>=`` it everywhere."""
+    out = np.zeros(len(matrix), dtype=bool)
+    for d in range(1, min(window, len(matrix) - 1) + 1):
+        out[d:] |= (matrix[:-d] >= matrix[d:]).all(axis=1)
+    return out
 
 
 def _coefficients(points: Sequence[LinExpr], order: Sequence[int]) -> np.ndarray | None:
@@ -119,6 +140,36 @@ def _coefficients(points: Sequence[LinExpr], order: Sequence[int]) -> np.ndarray
                 return None
             out[i, monomials[m]] = value
     return out
+
+
+def row_sign(a: LinExpr, b: LinExpr, dom: ShapeDomain,
+             exponents: dict[sympy.Expr, tuple[int, ...] | None]) -> int | None:
+    """:func:`~jaxmem.symbolic.bounds.poly_sign` of ``a - b`` from the points' integer
+    coefficients, without building the sympy difference :func:`~jaxmem.symbolic.compare`
+    would expand: what ``compare`` answers for it where this returns a sign.
+
+    None where the difference's coefficients have one sign (``compare``'s own first
+    test decides those), a coefficient is not an integer, or a monomial is not one of
+    the domain's symbols' (``exponents`` caches each monomial's exponent tuple).
+    """
+    poly: dict[tuple[int, ...], int] = {}
+    for m in {**a, **b}:
+        c = a.get(m, 0) - b.get(m, 0)
+        if c == 0:
+            continue
+        if not (isinstance(c, int) or getattr(c, "is_Integer", False)):
+            return None
+        if m not in exponents:
+            mono = integer_poly(m, dom.symbols)  # a monomial: {its exponents: 1}
+            exponents[m] = next(iter(mono)) if mono and list(mono.values()) == [1] else None
+        e = exponents[m]
+        if e is None:
+            return None
+        poly[e] = poly.get(e, 0) + int(c)
+    poly = {e: c for e, c in poly.items() if c != 0}
+    if all(c >= 0 for c in poly.values()) or all(c <= 0 for c in poly.values()):
+        return None
+    return poly_sign(poly, dom)
 
 
 def sample_values(points: Sequence[LinExpr], keep: Sequence[int], dom: ShapeDomain

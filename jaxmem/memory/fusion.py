@@ -104,7 +104,7 @@ def used_nodes(graph: Graph) -> list[bool]:
     needed = set(graph.outputs)
     for i in range(len(graph.nodes) - 1, -1, -1):  # program order is topological
         node = graph.nodes[i]
-        if any(o in needed for o in node.outputs):
+        if not needed.isdisjoint(node.outputs):
             used[i] = True
             needed.update(node.inputs)
     return used

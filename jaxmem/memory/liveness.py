@@ -54,7 +54,8 @@ class Buffer:
 
 
 def liveness(graph: Graph, order: Sequence[int] | None = None,
-             backend: str | None = None) -> tuple[Buffer, ...]:
+             backend: str | None = None, owner: dict[int, int] | None = None,
+             used: list[bool] | None = None) -> tuple[Buffer, ...]:
     """Buffers and their live ranges when the graph runs in ``order``.
 
     Args:
@@ -63,6 +64,8 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
         backend: the JAX platform whose XLA rules apply (``jax.default_backend()``
             when None): on CPU, low-precision dots take float32 buffers
             (:mod:`jaxmem.memory.precision`).
+        owner: ``materialised(graph)``, when the caller has it.
+        used: ``used_nodes(graph)``, when the caller has it.
 
     Donation changes no live range (an argument lives for the whole run either way);
     :func:`jaxmem.memory.model.memory_model` subtracts the aliased bytes.
@@ -74,18 +77,19 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     """
     order = list(range(len(graph.nodes))) if order is None else list(order)
     backend = backend or jax.default_backend()
-    owner = materialised(graph)
+    owner = materialised(graph) if owner is None else owner
+    used = used_nodes(graph) if used is None else used
     widened = buffer_sizes(graph, owner, backend)
     size = lambda v: widened.get(v, graph.values[v].nbytes)  # noqa: E731
     srcs = _buffer_sources(graph, owner)
-    first_def, last_use = _definitions_and_uses(graph, order, owner, srcs)
+    first_def, last_use = _definitions_and_uses(graph, order, owner, srcs, used)
     outputs = _output_buffers(graph, order, owner, first_def)
     reuse_end, in_output = _shared_buffers(graph, order, owner, srcs, last_use, outputs, size)
     buffers = _value_buffers(graph, len(order), owner, outputs, first_def, last_use,
                              reuse_end, in_output, size)
     for x in (*transposed_copies(graph, order, owner, size),
               *epilogue_broadcasts(graph, order, owner, first_def),
-              *operand_copies(graph, order, owner, backend)):
+              *operand_copies(graph, order, owner, backend, widened)):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
     return tuple(buffers)
 
@@ -111,21 +115,24 @@ def _buffer_sources(graph: Graph, owner: dict[int, int]) -> Callable[[int], froz
 
 
 def _definitions_and_uses(graph: Graph, order: Sequence[int], owner: dict[int, int],
-                          srcs: Callable[[int], frozenset[int]]
+                          srcs: Callable[[int], frozenset[int]], used: Sequence[bool]
                           ) -> tuple[dict[int, int], dict[int, int]]:
     """Where XLA allocates each buffer (its first writer) and frees it (after its last
     reader); dead code neither writes nor reads."""
     last_use: dict[int, int] = {}
     first_def: dict[int, int] = {}
     nodes = graph.nodes
-    used = used_nodes(graph)
     for p, ni in enumerate(order):
         n = nodes[ni]
         if not used[ni]:
             continue  # dead code: XLA removes it
         for i in n.inputs:
+            o = owner.get(i, i)
+            if o != -1:  # a buffer of its own (or a view of one): read in place
+                last_use[o] = p  # positions only grow: the latest reader is the last
+                continue
             for s in srcs(i):
-                last_use[s] = p  # positions only grow: the latest reader is the last
+                last_use[s] = p
         for o in n.outputs:
             if o not in first_def and owner.get(o) == o:
                 first_def[o] = p

@@ -45,11 +45,18 @@ import sympy
 
 from jaxmem.graph import Graph
 from jaxmem.memory.assign import assignment_peak
-from jaxmem.memory.frontier import distinct, sample_values, undominated, undominated_table
+from jaxmem.memory.frontier import (
+    distinct,
+    row_sign,
+    sample_values,
+    undominated,
+    undominated_table,
+)
+from jaxmem.memory.fusion import materialised, used_nodes
 from jaxmem.memory.liveness import Buffer, liveness
 from jaxmem.memory.points import PointTable, distinct_rows, live_table
 from jaxmem.memory.schedule import xla_order
-from jaxmem.symbolic import Cmp, ShapeDomain, compare, signs_differ, sym
+from jaxmem.symbolic import Cmp, Comparison, ShapeDomain, compare, signs_differ, sym
 
 POINTER_BYTES = 8  # one entry of a tuple's table of buffer pointers (64-bit hosts)
 
@@ -186,8 +193,11 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
         A :class:`MemoryModel`.
     """
     backend = backend or jax.default_backend()
-    order = xla_order(graph, backend) if order is None else list(order)
-    buffers = liveness(graph, order, backend)
+    # Which values XLA materialises, and which ops are live: once per model, as both the
+    # order and the live ranges need them (they were a fifth of a model's time).
+    owner, used = materialised(graph), used_nodes(graph)
+    order = xla_order(graph, backend, owner, used) if order is None else list(order)
+    buffers = liveness(graph, order, backend, owner, used)
     n = len(order)
     tally: collections.Counter[str] = collections.Counter()
     bodies = _bodies(graph, order, dom, symbolic, backend)
@@ -331,8 +341,9 @@ def _frontier(points: list[LinExpr] | PointTable, dom: ShapeDomain,
     survivors: list[int] = []
     budget = _COMPARE_BUDGET
     values = sample_values(points, keep, dom)
+    exponents: dict = {}  # monomial -> exponent tuple, for row_sign
     for p in keep:
-        expr = _to_expr(points[p])
+        expr = None  # built only for compare
         dominated = False
         for q in list(survivors):
             if budget <= 0:
@@ -344,7 +355,13 @@ def _frontier(points: list[LinExpr] | PointTable, dom: ShapeDomain,
                 # witness, decided at the sample points).
                 tally["fallback"] += 1
                 continue
-            c = compare(expr, _to_expr(points[q]), dom, symbolic=symbolic)
+            # compare's answer where the integer proof settles it, without sympy.
+            sign = row_sign(points[p], points[q], dom, exponents) if symbolic else None
+            if sign:
+                c = Comparison(Cmp.GT if sign > 0 else Cmp.LT, None, "symbolic")
+            else:
+                expr = _to_expr(points[p]) if expr is None else expr
+                c = compare(expr, _to_expr(points[q]), dom, symbolic=symbolic)
             tally[c.decided_by] += 1
             if c.result in (Cmp.LT, Cmp.LE, Cmp.EQ):
                 dominated = True

@@ -139,15 +139,17 @@ def buffer_sizes(graph: Graph, owner: Mapping[int, int], backend: str) -> dict[i
 
 
 def operand_copies(graph: Graph, order: Sequence[int], owner: Mapping[int, int],
-                   backend: str) -> list[Extra]:
+                   backend: str, widened: Mapping[int, sympy.Expr] | None = None
+                   ) -> list[Extra]:
     """Float32 copies of low-precision dot operands whose own buffer stays (an argument,
     a buffer other ops read, a dot's result); one per buffer, from the first upcast dot
-    reading it to the last."""
+    reading it to the last. ``widened``: ``buffer_sizes(graph, owner, backend)``, when
+    the caller has it."""
     dots = upcast_dots(graph, backend)
     if not dots:
         return []
     pos = {n: p for p, n in enumerate(order)}
-    widened = buffer_sizes(graph, owner, backend)
+    widened = buffer_sizes(graph, owner, backend) if widened is None else widened
     chosen = set(dots)
     out = []
     for o, readers in _low_operands(graph, owner, dots).items():
