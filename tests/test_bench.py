@@ -198,6 +198,23 @@ def test_reach_bench_writes_its_figures(tmp_path: Path) -> None:
     assert (tmp_path / "reach.txt").read_text().startswith(row["program"])
 
 
+def test_unseen_bench_writes_its_figures(tmp_path: Path) -> None:
+    from bench import unseen
+
+    out = tmp_path / "unseen.json"
+    assert unseen.main(["--quick", "--programs", "cond,dropout", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["program"] for r in rows] == ["cond", "dropout"]
+    for row in rows:
+        assert row["budget_bytes"] < row["plain_peak_bytes"]
+        if row["levels"]:  # planned: jax.jit's outputs, within the budget it promised
+            assert row["max_abs_diff"] < 1e-4 and row["fits"], row
+            assert all(lv["predicted_peak_bytes"] > 0 for lv in row["levels"])
+        else:
+            assert row["min_peak_bytes"] > row["budget_bytes"]
+    assert (tmp_path / "unseen.txt").read_text().startswith("1 layers")
+
+
 _WRITES: list[str] | None = None  # paths written while recording, else None
 _HOOKED: list[bool] = []  # an audit hook cannot be removed: install it once
 _WRITE_EVENTS = frozenset({"os.mkdir", "os.rename", "os.remove", "os.rmdir", "os.symlink",
