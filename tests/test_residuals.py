@@ -9,8 +9,10 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import jaxmem
 from bench.programs import gpt_program, gpt_scan_program
 from jaxmem.graph import build_graph
 from jaxmem.plan.residuals import find_residuals
@@ -87,3 +89,28 @@ def test_a_static_index_is_a_slice_on_either_trace():
     symbolic = {r.group for r in _residuals(jax.grad(loss), *sym)}
     assert symbolic == {r.group for r in _residuals(jax.grad(loss), *args)}
     assert any(g.startswith("<top>:slice") for g in symbolic), symbolic
+
+
+def test_a_dropout_mask_is_recomputed_from_its_key():
+    def loss(ws, x, key):
+        for i, w in enumerate(ws):
+            h = jnp.tanh(x @ w)
+            x = jnp.where(jax.random.bernoulli(jax.random.fold_in(key, i), 0.9, h.shape),
+                          h / 0.9, 0)
+        return (x ** 2).sum()
+
+    step = jax.grad(loss)
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((64, 64)), jnp.float32) * 0.1
+    args = ([w] * 3, jnp.ones((32, 64)), jax.random.key(0))
+    graph = build_graph(jax.make_jaxpr(step)(*args))
+    random = {n.index for n in graph.nodes if n.primitive in ("random_bits", "threefry2x32")}
+    assert random and any(random & set(r.recompute_nodes) for r in find_residuals(graph))
+    # Re-drawn from the same key, the mask is the same: every level computes jax.jit's step.
+    planned = jaxmem.jit(step, polymorphic_shapes=(None, "b, _", None), constraints=("b <= 32",))
+    want = jax.jit(step)(*args)
+    levels = planned.plans(*args).levels
+    assert len(levels) > 1
+    for k in range(len(levels)):
+        got = planned.compile_level(k, *args).run(*args)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -294,5 +294,7 @@ def recompute_chain(graph: Graph, value: int, leaves: set[int], max_heavy: int |
 #: Node kinds that materialise their result from memory: what makes a chain expensive.
 HEAVY_KINDS = frozenset(("opaque", "control", "inplace"))
 
-_RANDOM = frozenset("rng_bit_generator rng_uniform random_bits threefry2x32 "
-                    "pure_callback io_callback".split())
+# Ops whose re-run may not give the same result: stateful RNG and host callbacks.
+# Counter-based random bits (``threefry2x32``, ``random_bits``) are pure functions of
+# their key, so a dropout mask is re-drawn exactly, as ``jax.checkpoint`` re-draws it.
+_RANDOM = frozenset("rng_bit_generator rng_uniform pure_callback io_callback".split())
