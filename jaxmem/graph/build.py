@@ -51,8 +51,8 @@ class Builder:
         self.values: list[Value] = []
         self.nodes: list[Node] = []
         self.consts: list[tuple[int, Any]] = []
-        # Values computed from constants and dims alone, which a concrete trace of the
-        # same step may hold as literals.
+        # Graph.constant's values, kept as they are built: the gather rule needs them
+        # before there is a graph.
         self.constant: set[int] = set()
 
     def const_value(self, aval: Any, val: Any) -> int:

@@ -109,6 +109,18 @@ class Graph:
                 out.setdefault(v, []).append(n.index)
         return {k: tuple(v) for k, v in out.items()}
 
+    @functools.cached_property
+    def constant(self) -> frozenset[int]:
+        """Values computed from constants, literals and dims alone, outside control flow:
+        no argument is read. XLA folds them into their consumers, and a concrete trace of
+        the same step may hold them as literals where a symbolic one computes them."""
+        inputs, producers = set(self.inputs), self.producers
+        out = {v for n in self.nodes for v in n.inputs if v not in producers and v not in inputs}
+        for n in self.nodes:  # program order is topological
+            if n.kind != "control" and not n.subgraphs and all(v in out for v in n.inputs):
+                out.update(n.outputs)
+        return frozenset(out)
+
     def __repr__(self) -> str:
         return (f"Graph({len(self.nodes)} nodes, {len(self.values)} values, "
                 f"{len(self.inputs)} inputs, {len(self.outputs)} outputs)")

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import collections
 
-from jaxmem.graph import Graph
+from jaxmem.graph import Graph, Node
 from jaxmem.memory.fusion import materialised, used_nodes
 
 #: backends whose XLA schedules breadth-first when the order is left to it
@@ -87,15 +87,15 @@ def _joins_consumer(graph: Graph, owner: dict[int, int], used: list[bool]) -> li
     """Per node, whether it runs with its first consumer rather than as an instruction of
     its own: a fused value, or one computed from constants alone (a broadcast zero, an
     iota), which XLA folds into its consumer (a scatter into zeros becomes a ``pad``)."""
-    producers, inputs = graph.producers, set(graph.inputs)
-    constant: list[bool] = []
-    for node in graph.nodes:  # program order is topological
-        constant.append(node.kind != "control" and not node.subgraphs and all(
-            v not in inputs and (v not in producers or constant[producers[v]])
-            for v in node.inputs))
-    return [used[i] and (c or (bool(node.outputs) and all(owner.get(o, o) == -1
-                                                          for o in node.outputs)))
-            for i, (c, node) in enumerate(zip(constant, graph.nodes, strict=True))]
+    constant = graph.constant
+
+    def joins(node: Node) -> bool:
+        folded = (node.kind != "control" and not node.subgraphs
+                  and all(v in constant for v in node.inputs))
+        return folded or (bool(node.outputs) and all(owner.get(o, o) == -1
+                                                     for o in node.outputs))
+
+    return [used[i] and joins(node) for i, node in enumerate(graph.nodes)]
 
 
 def _instruction_operands(graph: Graph, fused: list[bool]) -> list[tuple[int, ...]]:

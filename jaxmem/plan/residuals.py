@@ -86,20 +86,10 @@ class Residual:
         return f"{_LAYER.sub('*', self.scope)}:{self.label or self.primitive}{self.role}"
 
 
-def _dynamic(graph: Graph) -> set[int]:
-    """Values computed from the step's arguments; the rest come from literals, constants
-    and dims alone, which a symbolic and a concrete trace spell differently."""
-    dyn = set(graph.inputs)
-    for n in graph.nodes:
-        if any(u in dyn for u in n.inputs):
-            dyn.update(n.outputs)
-    return dyn
-
-
-def _symbolic_only(graph: Graph, dyn: set[int], v: int) -> bool:
+def _symbolic_only(graph: Graph, v: int) -> bool:
     """A value only a symbolic trace has: a dim read as a number (``dim_as_value``; a
     literal on a concrete trace) or the constant indices of a gather (:func:`_label`)."""
-    if v in dyn:
+    if v not in graph.constant:
         return False
     p = graph.producers[v]
     if graph.nodes[p].primitive == "dim_as_value":
@@ -109,7 +99,7 @@ def _symbolic_only(graph: Graph, dyn: set[int], v: int) -> bool:
                                  and v not in n.inputs[:1] for n in readers)
 
 
-def _label(graph: Graph, dyn: set[int], p: int) -> str:
+def _label(graph: Graph, p: int) -> str:
     """Node ``p``'s primitive, spelt the same on a symbolic and a concrete trace.
 
     ``x[:, 0]`` is a ``slice`` (then a ``squeeze``) on an array of static shape, but
@@ -117,7 +107,7 @@ def _label(graph: Graph, dyn: set[int], p: int) -> str:
     both are named ``slice``.
     """
     n = graph.nodes[p]
-    if n.primitive == "gather" and all(u not in dyn for u in n.inputs[1:]):
+    if n.primitive == "gather" and all(u in graph.constant for u in n.inputs[1:]):
         return "slice"
     if n.primitive == "squeeze" and _producer_primitive(graph, n.inputs[0]) == "slice":
         return "slice"
@@ -129,18 +119,18 @@ def _producer_primitive(graph: Graph, v: int) -> str:
     return graph.nodes[p].primitive if p is not None else "input"
 
 
-def _made_from(graph: Graph, dyn: set[int], p: int) -> tuple[str, ...]:
+def _made_from(graph: Graph, p: int) -> tuple[str, ...]:
     """The primitives making node ``p``'s inputs from the arguments (what is made from
     constants alone is a literal on one trace and computed on the other); for a ``slice``
     (:func:`_label`), those making the sliced array."""
     node = graph.nodes[p]
-    inputs = [u for u in node.inputs if u in dyn]
-    if inputs and node.primitive == "squeeze" and _label(graph, dyn, p) == "slice":
+    inputs = [u for u in node.inputs if u not in graph.constant]
+    if inputs and node.primitive == "squeeze" and _label(graph, p) == "slice":
         inputs = list(graph.nodes[graph.producers[inputs[0]]].inputs[:1])
     return tuple(sorted({_producer_primitive(graph, u) for u in inputs}))
 
 
-def _pattern(graph: Graph, dyn: set[int], r: Residual) -> tuple[Any, ...]:
+def _pattern(graph: Graph, r: Residual) -> tuple[Any, ...]:
     """What computation makes ``r`` and what reads it, one operation either side: the
     primitives, ranks and dtypes, never sizes (a concrete trace must give its twin the
     same patterns) and never further away (a layer's first op reads the previous layer,
@@ -148,16 +138,16 @@ def _pattern(graph: Graph, dyn: set[int], r: Residual) -> tuple[Any, ...]:
     value = graph.values[r.value]
     # Sets, not counts: the first layer's backward reads less (no input gradient).
     read_by = sorted({graph.nodes[i].primitive for i in graph.consumers.get(r.value, ())})
-    return len(value.shape), value.dtype, _made_from(graph, dyn, r.producer), tuple(read_by)
+    return len(value.shape), value.dtype, _made_from(graph, r.producer), tuple(read_by)
 
 
-def _roles(graph: Graph, dyn: set[int], residuals: Sequence[Residual]) -> list[Residual]:
+def _roles(graph: Graph, residuals: Sequence[Residual]) -> list[Residual]:
     """``residuals`` with a role where residuals of one label (scope and primitive)
     play different parts (:func:`_pattern`): ``(dot_general,add)`` after the label
     names the operations that make the residual's inputs, ``#k`` where those clash."""
     by_label: dict[str, dict[Any, list[int]]] = {}
     for k, r in enumerate(residuals):
-        by_label.setdefault(r.group, {}).setdefault(_pattern(graph, dyn, r), []).append(k)
+        by_label.setdefault(r.group, {}).setdefault(_pattern(graph, r), []).append(k)
     out = list(residuals)
     for patterns in by_label.values():
         if len(patterns) < 2:
@@ -234,9 +224,8 @@ def find_residuals(graph: Graph) -> tuple[Residual, ...]:
                     aliases.setdefault(s, {})[v] = None
     kept = set(candidates) | inputs | {v for v, _ in graph.consts}
     out = []
-    dyn = _dynamic(graph)
     for v, first in sorted(candidates.items(), key=lambda kv: producers[kv[0]]):
-        if _symbolic_only(graph, dyn, v):
+        if _symbolic_only(graph, v):
             continue  # a few bytes, and no group a concrete trace could find
         al = tuple(a for a in aliases.get(v, {}) if a != v)
         if any(recompute_chain(graph, a, kept) is None for a in al):
@@ -246,11 +235,11 @@ def find_residuals(graph: Graph) -> tuple[Residual, ...]:
         chain = recompute_chain(graph, v, kept - {v}) or ()
         flops = sympy.expand(sum((nodes[i].flops for i in chain), sympy.Integer(0)))
         p = producers[v]
-        label = _label(graph, dyn, p)
+        label = _label(graph, p)
         out.append(Residual(v, p, nodes[p].primitive, clean_scope(nodes[p].scope),
                             graph.values[v].nbytes, first, chain, flops, al,
                             label="" if label == nodes[p].primitive else label))
-    return tuple(_roles(graph, dyn, out))
+    return tuple(_roles(graph, out))
 
 
 def recompute_chain(graph: Graph, value: int, leaves: set[int], max_heavy: int | None = None,
