@@ -17,9 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import sympy
 
 import jaxmem
 from bench.programs import causal_attention, layer_norm, optax_step
+from jaxmem.dims import sym
 from jaxmem.graph import JaxmemWarning, build_graph
 from jaxmem.lower import as_function, compiler_options
 from jaxmem.plan.loops import LoopPlan, apply_loop_plan, loop_candidates
@@ -125,7 +127,7 @@ def test_every_level_computes_what_jax_jit_computes():
     args, step = _args(SGD), scan_step(opt=SGD)
     f = jaxmem.jit(step, polymorphic_shapes=POLY, constraints=CONSTRAINTS)
     plans = f.plans(*args)
-    assert any(level.loops is not None and any(level.loops.save) for level in plans.levels)
+    assert any(level.loops is not None and level.loops.saved_primitive for level in plans.levels)
     want = jax.jit(step)(*args)
     for k in range(len(plans.levels)):
         _assert_same(f.compile_level(k, *args).run(*args), want)
@@ -176,7 +178,7 @@ def test_the_plan_saving_matmul_outputs_matches_dots_saveable(args):
     flat, tree = jax.tree_util.tree_flatten(args)
     graph = build_graph(jax.make_jaxpr(lambda *a: step(*tree.unflatten(a)))(*flat))
     plans = loop_candidates(graph, find_scan_pairs(graph), {})
-    saving = next(p for p in plans if any(p.save))
+    saving = next(p for p in plans if p.saved_primitive)
     run = as_function(apply_loop_plan(graph, saving))
     compiled = jax.jit(run).lower(*flat).compile(compiler_options=compiler_options())
     hand = _peak(scan_step(jax.checkpoint_policies.dots_saveable, SGD), args)
@@ -223,3 +225,24 @@ def test_a_flax_linen_nn_scan_decoder_reaches_per_iteration_checkpoint():
           f"{plan.peak_bytes} B, predicted {plan.predicted_peak_bytes} B")
     assert plan.peak_bytes <= 1.1 * hand
     assert f.plans(*case["args"]).levels[plan.level].loops is not None
+
+
+def test_the_plan_saving_matmul_outputs_stacks_the_same_values_on_every_trace(args):
+    """Planned on the symbolic trace, whose bodies hold equations on dims that a concrete
+    trace's lack, it must stack the matmul outputs on a concrete trace too (it once
+    named equation positions, and stacked other values there)."""
+    b, s = jax.export.symbolic_shape("b, s", constraints=CONSTRAINTS)
+    state, tokens = args
+    spec = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    traces = [(spec, jax.ShapeDtypeStruct((b, s), tokens.dtype)), args]
+    graphs = [build_graph(jax.make_jaxpr(scan_step())(*a)) for a in traces]
+    at = {sym("b"): B, sym("s"): S}
+    plan = next(p for p in loop_candidates(graphs[0], find_scan_pairs(graphs[0]), at)
+                if p.saved_primitive)
+    stacked = []
+    for graph in graphs:
+        rewritten = apply_loop_plan(graph, plan)
+        node = rewritten.nodes[find_scan_pairs(graph)[0].forward]
+        stacked.append([tuple(int(sympy.sympify(d).subs(at)) for d in rewritten.values[v].shape)
+                        for v in node.outputs])
+    assert stacked[0] == stacked[1]

@@ -57,14 +57,16 @@ class LoopPlan:
     Attributes:
         drop: per pair of :func:`~jaxmem.plan.scan_pairs.find_scan_pairs`, the forward
             ys positions rebuilt.
-        save: per pair, the positions of forward body equations whose outputs the
-            rebuild may read, stacked instead (matmul outputs, as ``dots_saveable``);
-            empty: the rebuild starts from the layer input.
+        saved_primitive: the primitive whose outputs in each forward body the rebuild
+            may read, stacked instead (``"dot_general"``: matmul outputs, as
+            ``dots_saveable``); empty: the rebuild starts from the layer input. A name,
+            not equation positions: the symbolic trace's bodies hold equations on dims
+            that a concrete trace's lack, so positions differ between the traces.
         label: what the plan rebuilds, for people.
     """
 
     drop: tuple[tuple[int, ...], ...]
-    save: tuple[tuple[int, ...], ...] = ()
+    saved_primitive: str = ""
     label: str = "every stacked residual"
 
     @property
@@ -96,10 +98,10 @@ def loop_candidates(graph: Graph, pairs: Sequence[ScanPair],
     plans = [LoopPlan(tuple(tuple(j for j in p.droppable if size(p, j) >= t) for p in pairs),
                       label=f"the {k + 1} largest kind(s) of stacked residual")
              for k, t in enumerate(sizes[:MAX_PARTIAL])]
-    dots = [_made_by(graph, p, "dot_general") for p in pairs]
+    dots = [_made_by(graph, p, "dot_general")[1] for p in pairs]
     saving = LoopPlan(tuple(tuple(j for j in p.droppable if j not in made)
-                            for p, (_, made) in zip(pairs, dots, strict=True)),
-                      tuple(eqns for eqns, _ in dots), "every stacked residual but matmul outputs")
+                            for p, made in zip(pairs, dots, strict=True)),
+                      "dot_general", "every stacked residual but matmul outputs")
     return (*[p for p in plans if p.drop != every.drop], saving, every)
 
 
@@ -144,9 +146,9 @@ def apply_loop_plan(graph: Graph, plan: LoopPlan) -> Graph:
     builder = Builder()
     builder.values = list(graph.values)
     replaced: dict[int, Node] = {}
-    saves = plan.save or ((),) * len(pairs)
-    for pair, drop, save in zip(pairs, plan.drop, saves, strict=True):
+    for pair, drop in zip(pairs, plan.drop, strict=True):
         if drop:
+            save = _made_by(graph, pair, plan.saved_primitive)[0]
             replaced.update(rewrite_pair(graph, pair, drop, save, builder))
     if not replaced:
         return graph

@@ -86,7 +86,7 @@ def _encode_level(level: Level, t: ExprTable) -> dict[str, Any]:
         "segments": None if seg is None else [seg.count, sorted(seg.save), list(seg.kept),
                                               seg.n_cuts],
         "loops": None if level.loops is None else [
-            [list(d) for d in level.loops.drop], [list(x) for x in level.loops.save],
+            [list(d) for d in level.loops.drop], level.loops.saved_primitive,
             level.loops.label],
         "memory": {
             "buffers": [[b.value, t.add(b.nbytes), b.start, b.end, b.kind, b.note]
@@ -169,8 +169,7 @@ def _decode_level(d: dict[str, Any], graph: Graph, residuals: tuple[Residual, ..
 
 def _decode_loop_level(d: dict[str, Any], graph: Graph, exprs: list[sympy.Basic]) -> Level:
     drop, save, label = d["loops"]
-    plan = LoopPlan(tuple(tuple(int(i) for i in x) for x in drop),
-                    tuple(tuple(int(i) for i in x) for x in save), str(label))
+    plan = LoopPlan(tuple(tuple(int(i) for i in x) for x in drop), str(save), str(label))
     if not plan.fits(find_scan_pairs(graph)):
         raise StaleEntryError("entry's loop plan does not fit this trace's scan loops")
     recompute = tuple(d["recompute"])
