@@ -24,6 +24,7 @@ from bench.programs import causal_attention, layer_norm, optax_step
 from jaxmem.dims import sym
 from jaxmem.graph import JaxmemWarning, build_graph
 from jaxmem.lower import as_function, compiler_options
+from jaxmem.memory.liveness import liveness
 from jaxmem.plan.loops import LoopPlan, apply_loop_plan, loop_candidates
 from jaxmem.plan.scan_pairs import find_scan_pairs
 
@@ -246,3 +247,25 @@ def test_the_plan_saving_matmul_outputs_stacks_the_same_values_on_every_trace(ar
         stacked.append([tuple(int(sympy.sympify(d).subs(at)) for d in rewritten.values[v].shape)
                         for v in node.outputs])
     assert stacked[0] == stacked[1]
+
+
+def test_a_constant_filler_the_loops_read_takes_no_buffer(args):
+    """A causal mask's filler (a broadcast of ``-1e9``, and the zeros of its transpose)
+    that the loops read is moved into their bodies when lowered: XLA's loop state holds
+    no array of its shape, and the model gives it no buffer."""
+    graph = build_graph(jax.make_jaxpr(scan_step())(*args))
+    rewritten = apply_loop_plan(graph, loop_candidates(graph, find_scan_pairs(graph), {})[-1])
+    fillers = [n.outputs[0] for n in rewritten.nodes
+               if n.primitive == "broadcast_in_dim" and not n.inputs
+               and any(rewritten.nodes[c].primitive == "scan"
+                       for c in rewritten.consumers.get(n.outputs[0], ()))]
+    assert fillers
+    compiled = jax.jit(as_function(rewritten)).lower(*jax.tree_util.tree_leaves(args)).compile(
+        compiler_options=compiler_options())
+    states = [line.split(" while(")[0] for line in compiled.as_text().splitlines()
+              if " while(" in line]
+    assert states
+    for v in fillers:
+        shape = "f32[" + ",".join(str(int(d)) for d in rewritten.values[v].shape) + "]"
+        assert not any(shape in s for s in states), shape
+    assert not {b.value for b in liveness(rewritten)} & set(fillers)
