@@ -269,26 +269,21 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
 def _copy_start(graph: Graph, pos: dict[int, int], v: int, first_dot: int) -> int:
     """Where XLA makes the transposed copy of dot operand ``v`` (first read at ``first_dot``).
 
-    XLA's breadth-first CPU scheduler runs the copy as soon as its operand exists,
-    not at the dot (which waits in the queue behind it): the cotangent copies of a
-    Llama's MLP weight gradients live through its backward MLP (llama 2x256 at (4,
-    128), level 0: -5.2 % against XLA at the dot, -3.3 % from the operand). An
-    elementwise operand that XLA may recompute inside the copy's loop fusion (no
-    reduction reads it: reductions read it from memory) is copied from its own
-    operands, at its producer's position, while they are still live; any other
-    operand (a dot's result, a value a reduction shares) is copied right after it
-    is written. A slice (or a gather at constant indices) is fused into the copy,
-    which XLA makes from the sliced source when the dot runs, as before.
+    XLA's breadth-first CPU scheduler runs the copy as soon as its operand is
+    written, not at the dot, which waits in the queue behind it: the cotangent
+    copies of a Llama's MLP weight gradients live through its backward MLP (llama
+    2x256 at (4, 128), level 0: -5.2 % against XLA with the copy at the dot, -3.3 %
+    from its operand). A slice (or a gather at constant indices) XLA fuses into the
+    copy, made from the sliced source at the dot; a view (an optimization barrier's
+    output) keeps the copy at the dot as before.
     """
     prod = graph.producers.get(v)
     if prod is None or prod not in pos:
         return first_dot
     node = graph.nodes[prod]
-    if node.primitive in ("gather", "slice", "squeeze"):
+    if node.kind not in ("elementwise", "opaque") or node.primitive in ("gather", "slice"):
         return first_dot
-    recomputed = node.kind == "elementwise" and all(
-        graph.nodes[c].kind != "reduce" for c in graph.consumers.get(v, ()))
-    return pos[prod] + (0 if recomputed else 1)
+    return pos[prod] + 1
 
 
 def _through_transpose(graph: Graph, owner: dict[int, int], v: int, contracting: tuple,
