@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import collections
 
-from jaxmem.graph import Graph, Node
+from jaxmem.graph import Graph
 from jaxmem.memory.fusion import materialised, used_nodes
 
 #: backends whose XLA schedules breadth-first when the order is left to it
@@ -88,14 +88,16 @@ def _joins_consumer(graph: Graph, owner: dict[int, int], used: list[bool]) -> li
     its own: a fused value, or one computed from constants alone (a broadcast zero, an
     iota), which XLA folds into its consumer (a scatter into zeros becomes a ``pad``)."""
     constant = graph.constant
-
-    def joins(node: Node) -> bool:
-        folded = (node.kind != "control" and not node.subgraphs
-                  and all(v in constant for v in node.inputs))
-        return folded or (bool(node.outputs) and all(owner.get(o, o) == -1
-                                                     for o in node.outputs))
-
-    return [used[i] and joins(node) for i, node in enumerate(graph.nodes)]
+    out = []
+    for i, node in enumerate(graph.nodes):
+        if not used[i]:
+            out.append(False)
+        elif node.kind != "control" and not node.subgraphs and constant.issuperset(node.inputs):
+            out.append(True)  # folded
+        else:
+            outs = node.outputs
+            out.append(bool(outs) and all(owner.get(o, o) == -1 for o in outs))
+    return out
 
 
 def _instruction_operands(graph: Graph, fused: list[bool]) -> list[tuple[int, ...]]:
@@ -132,6 +134,7 @@ def _place(graph: Graph, i: int, fused: list[bool], placed: list[bool],
     """Appends node ``i`` after the fused nodes it reads that are not placed yet."""
     if placed[i]:
         return
+    producers, nodes = graph.producers, graph.nodes
     stack = [(i, False)]
     while stack:
         j, ready = stack.pop()
@@ -142,8 +145,7 @@ def _place(graph: Graph, i: int, fused: list[bool], placed: list[bool],
             order.append(j)
             continue
         stack.append((j, True))
-        producers = graph.producers
-        for v in reversed(graph.nodes[j].inputs):
+        for v in reversed(nodes[j].inputs):
             p = producers.get(v)
             if p is not None and fused[p] and not placed[p]:
                 stack.append((p, False))

@@ -31,7 +31,7 @@ from collections.abc import Collection, Iterable, Sequence
 
 import sympy
 
-from jaxmem.graph import Graph, Node, Value
+from jaxmem.graph import Graph, Node, Value, replaced
 from jaxmem.memory import materialised
 from jaxmem.plan.offload import transfer_eqn
 from jaxmem.plan.residuals import HEAVY_KINDS, Residual, find_residuals, recompute_chain
@@ -263,9 +263,9 @@ class _Rewrite:
         """A new value shaped like ``like`` (taking no device bytes on the host); its id."""
         v = self.values[like]
         vid = len(self.values)
-        # Direct construction: dataclasses.replace was most of a rewrite's time.
+        # Copied without the frozen __init__ (dataclasses.replace was most of a rewrite's time).
         self.values.append(Value(vid, v.shape, v.dtype, sympy.Integer(0), True) if on_host
-                           else Value(vid, v.shape, v.dtype, v.nbytes, v.host))
+                           else replaced(v, id=vid))
         return vid
 
     def emit(self, node: Node, inputs: list[int], operands: list[int | None],
@@ -276,9 +276,8 @@ class _Rewrite:
                 and outs == node.outputs and scope is None):
             self.nodes.append(node)  # the forward pass, before any block: shared, not copied
             return
-        self.nodes.append(Node(index, node.primitive, node.kind, ins, outs,
-                               node.scope if scope is None else scope, node.subgraphs,
-                               node.flops, node.params, node.eqn, ops))
+        self.nodes.append(replaced(node, index=index, inputs=ins, outputs=outs, operands=ops,
+                                   scope=node.scope if scope is None else scope))
 
     def transfer(self, src: int, original: int, to_host: bool, scope: str) -> int:
         """A ``device_put`` of ``src`` to host or device memory; the copy's value id."""
