@@ -9,7 +9,12 @@ import sympy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxmem.memory.assign import assignment_peak, greedy_assignment, heap_tables
+from jaxmem.memory.assign import (
+    assignment_peak,
+    greedy_assignment,
+    heap_tables,
+    reference_plans,
+)
 from jaxmem.memory.reuse import reuse_peak
 from jaxmem.symbolic import ShapeDomain, sym
 
@@ -166,3 +171,20 @@ def test_heap_tables_swept_once_are_each_assignment_s_own_table(temps, outs, ext
     for plan, table in zip(plans, swept, strict=True):
         assert np.array_equal(table, _naive_table(plan, sizes, alloc, spans, n_points, pos,
                                                   extras))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 15), st.integers(0, 6)),
+                min_size=1, max_size=20),
+       st.lists(st.tuples(st.integers(1, 6), st.integers(0, 20)), min_size=1, max_size=4),
+       st.lists(st.integers(1, 16), min_size=1, max_size=8))
+def test_reference_plans_walk_once_per_distinct_order_and_miss_none(temps, outs, bs) -> None:
+    # b scales some sizes and not others, so the samples order them differently.
+    sizes = np.array([[float(e * (b if e % 2 else 4)) for e, _, _ in temps] for b in bs])
+    alloc = np.array([[8.0 * k for k, _ in outs] for _ in bs])
+    spans = [(s, s + d) for _, s, d in temps]
+    writes = [w for _, w in outs]
+    first = np.array([s for s, _ in spans])
+    every = list(dict.fromkeys(greedy_assignment(sizes[r], spans, alloc[r], writes)
+                               for r in range(len(bs))))
+    assert reference_plans(sizes, spans, alloc, writes, first, len(bs)) == every
