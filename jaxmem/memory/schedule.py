@@ -57,7 +57,7 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
     owner = materialised(graph) if owner is None else owner
     used = used_nodes(graph) if used is None else used
     fused = _joins_consumer(graph, owner, used)
-    preds = _instruction_operands(graph, fused)
+    preds, reads_fused = _instruction_operands(graph, fused)
     users: dict[int, list[int]] = collections.defaultdict(list)
     for i, ps in enumerate(preds):
         for p in ps:
@@ -72,7 +72,11 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
     while queue:
         i = queue.popleft()
         if not placed[i]:
-            _place(graph, i, fused, placed, order)
+            if reads_fused[i]:
+                _place(graph, i, fused, placed, order)
+            else:  # what _place does for it: nothing fused to run first
+                placed[i] = True
+                order.append(i)
         for u in users[i]:
             waiting[u] -= 1
             if not waiting[u] and used[u]:
@@ -100,8 +104,10 @@ def _joins_consumer(graph: Graph, owner: dict[int, int], used: list[bool]) -> li
     return out
 
 
-def _instruction_operands(graph: Graph, fused: list[bool]) -> list[tuple[int, ...]]:
-    """Per node, the non-fused nodes it waits for (through the fused values it reads).
+def _instruction_operands(graph: Graph, fused: list[bool]
+                          ) -> tuple[list[tuple[int, ...]], list[bool]]:
+    """Per node, the non-fused nodes it waits for (through the fused values it reads), and
+    whether it reads a fused value at all.
 
     One pass in program order (topological, as :func:`_joins_consumer` and
     :func:`~jaxmem.memory.fusion.used_nodes` also require): a fused node's sources are
@@ -109,16 +115,19 @@ def _instruction_operands(graph: Graph, fused: list[bool]) -> list[tuple[int, ..
     barriers of a rewritten step, which read hundreds of values each).
     """
     producers = graph.producers
+    get = producers.get
     through: dict[int, set[int]] = {}  # fused node -> the non-fused nodes it reads through
     out: list[tuple[int, ...]] = []
+    reads_fused = [False] * len(fused)
     for i, node in enumerate(graph.nodes):
         srcs: set[int] = set()
         for v in node.inputs:
-            p = producers.get(v)
+            p = get(v)
             if p is None:
                 continue
             if fused[p]:
                 srcs.update(through[p])
+                reads_fused[i] = True
             else:
                 srcs.add(p)
         if fused[i]:
@@ -126,7 +135,7 @@ def _instruction_operands(graph: Graph, fused: list[bool]) -> list[tuple[int, ..
             out.append(())
         else:
             out.append(tuple(sorted(srcs)))
-    return out
+    return out, reads_fused
 
 
 def _place(graph: Graph, i: int, fused: list[bool], placed: list[bool],

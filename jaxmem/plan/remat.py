@@ -268,8 +268,8 @@ class _Rewrite:
                            else replaced(v, id=vid))
         return vid
 
-    def emit(self, node: Node, inputs: list[int], operands: list[int | None],
-             outputs: list[int], scope: str | None = None) -> None:
+    def emit(self, node: Node, inputs: Sequence[int], operands: Sequence[int | None],
+             outputs: Sequence[int], scope: str | None = None) -> None:
         """Appends ``node`` reading and writing the given values (``node`` itself if unchanged)."""
         index, ins, ops, outs = len(self.nodes), tuple(inputs), tuple(operands), tuple(outputs)
         if (index == node.index and ins == node.inputs and ops == node.operands
@@ -292,11 +292,12 @@ class _Rewrite:
             self.nodes.append(node)  # what emit does with it, without building its tuples
             return
         if node.is_backward:
-            ins = [self.rename.get(v, v) for v in node.inputs]
-            ops = [None if o is None else self.rename.get(o, o) for o in node.operands]
-            self.emit(node, ins, ops, list(node.outputs))
+            rename = self.rename
+            ins = [rename.get(v, v) for v in node.inputs]
+            ops = [None if o is None else rename.get(o, o) for o in node.operands]
+            self.emit(node, ins, ops, node.outputs)
         else:
-            self.emit(node, list(node.inputs), list(node.operands), list(node.outputs))
+            self.emit(node, node.inputs, node.operands, node.outputs)
 
     def rebuild_block(self, node: Node, block: list[tuple[Residual, Chain]]) -> None:
         """Brings back, just before ``node``, the residuals whose first use it is."""
