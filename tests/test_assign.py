@@ -9,7 +9,12 @@ import sympy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxmem.memory.assign import assignment_peak, greedy_assignment
+from jaxmem.memory.assign import (
+    assignment_peak,
+    greedy_assignment,
+    heap_tables,
+    reference_plans,
+)
 from jaxmem.memory.reuse import reuse_peak
 from jaxmem.symbolic import ShapeDomain, sym
 
@@ -112,3 +117,74 @@ def test_greedy_assignment_equals_the_plain_loop(temps, outs) -> None:
     writes = [w for _, w in outs]
     assert greedy_assignment(sizes, spans, alloc, writes) == _plain_greedy(
         sizes, spans, alloc, writes)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 19), st.integers(-3, 4)),
+                min_size=1, max_size=30),
+       st.lists(st.tuples(st.integers(1, 4), st.integers(0, 24)), min_size=1, max_size=8))
+def test_empty_spans_get_the_plain_loop_s_answer_too(temps, outs) -> None:
+    # first > last happens nowhere in practice; the bitset form does not take such spans,
+    # and the one-by-one walk must answer as the plain loop did.
+    sizes = np.array([4.0 * e for e, _, _ in temps])
+    spans = [(s, s + d) for _, s, d in temps]
+    alloc = np.array([4.0 * k for k, _ in outs])
+    writes = [w for _, w in outs]
+    assert greedy_assignment(sizes, spans, alloc, writes) == _plain_greedy(
+        sizes, spans, alloc, writes)
+
+
+def _naive_table(plan, sizes, alloc, spans, n_points, extra_pos, extras) -> np.ndarray:
+    """Heap bytes per (sample, point), summed one temporary and point at a time."""
+    table = np.zeros((sizes.shape[0], n_points))
+    for r in range(sizes.shape[0]):
+        for i, (s, t) in enumerate(spans):
+            a = plan[i]
+            if a >= 0 and sizes[r, i] <= alloc[r, a]:
+                continue  # hidden in its allocation at this sample
+            table[r, s:t + 1] += sizes[r, i]
+        for j, p in enumerate(extra_pos):
+            table[r, p] += extras[r, j]
+    return table
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 15), st.integers(0, 6)),
+                min_size=1, max_size=20),
+       st.lists(st.tuples(st.integers(1, 9), st.integers(0, 20)), min_size=1, max_size=4),
+       st.lists(st.integers(0, 15), max_size=3, unique=True), st.integers(1, 4))
+def test_heap_tables_swept_once_are_each_assignment_s_own_table(temps, outs, extra_pos,
+                                                                n_samples) -> None:
+    rng = np.random.default_rng(len(temps) * 31 + n_samples)
+    scale = rng.integers(1, 5, size=(n_samples, 1)).astype(np.float64)
+    sizes = scale * np.array([[4.0 * e for e, _, _ in temps]])
+    alloc = scale * np.array([[4.0 * k for k, _ in outs]])
+    extras = scale * np.arange(1.0, len(extra_pos) + 1)[None, :]
+    n_points = 16
+    spans = [(s, min(s + d, n_points - 1)) for _, s, d in temps]
+    writes = [w for _, w in outs]
+    plans = list(dict.fromkeys(greedy_assignment(sizes[r], spans, alloc[r], writes)
+                               for r in range(n_samples)))
+    plans.append(tuple(-1 for _ in temps))
+    pos = sorted(extra_pos)
+    swept = heap_tables(plans, sizes, alloc, spans, n_points, pos, extras)
+    for plan, table in zip(plans, swept, strict=True):
+        assert np.array_equal(table, _naive_table(plan, sizes, alloc, spans, n_points, pos,
+                                                  extras))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 15), st.integers(0, 6)),
+                min_size=1, max_size=20),
+       st.lists(st.tuples(st.integers(1, 6), st.integers(0, 20)), min_size=1, max_size=4),
+       st.lists(st.integers(1, 16), min_size=1, max_size=8))
+def test_reference_plans_walk_once_per_distinct_order_and_miss_none(temps, outs, bs) -> None:
+    # b scales some sizes and not others, so the samples order them differently.
+    sizes = np.array([[float(e * (b if e % 2 else 4)) for e, _, _ in temps] for b in bs])
+    alloc = np.array([[8.0 * k for k, _ in outs] for _ in bs])
+    spans = [(s, s + d) for _, s, d in temps]
+    writes = [w for _, w in outs]
+    first = np.array([s for s, _ in spans])
+    every = list(dict.fromkeys(greedy_assignment(sizes[r], spans, alloc[r], writes)
+                               for r in range(len(bs))))
+    assert reference_plans(sizes, spans, alloc, writes, first, len(bs)) == every

@@ -31,8 +31,8 @@ from __future__ import annotations
 from jaxmem.graph import rules  # noqa: F401
 from jaxmem.graph.build import Builder, Rule, bind_eqn, build_graph, register_rule
 from jaxmem.graph.primitives import CALLBACK, ELEMENTWISE, EXPENSIVE, INPLACE, OPAQUE, REDUCE, VIEW
-from jaxmem.graph.types import Graph, JaxmemWarning, Node, Value
+from jaxmem.graph.types import Graph, JaxmemWarning, Node, Value, replaced
 
 __all__ = ["CALLBACK", "ELEMENTWISE", "EXPENSIVE", "INPLACE", "OPAQUE", "REDUCE", "VIEW",
            "Builder", "Graph", "JaxmemWarning", "Node", "Rule", "Value", "bind_eqn", "build_graph",
-           "register_rule"]
+           "register_rule", "replaced"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, TypeVar
 
 import sympy
 
@@ -77,6 +77,27 @@ class Node:
         return "transpose(" in self.scope
 
 
+ValueOrNode = TypeVar("ValueOrNode", "Value", "Node")
+
+
+def replaced(item: ValueOrNode, **changes: Any) -> ValueOrNode:
+    """``dataclasses.replace(item, **changes)`` for a :class:`Value` or :class:`Node`,
+    without the frozen ``__init__`` (a field at a time through ``object.__setattr__``):
+    a rewrite copies thousands of nodes and values, and their construction was a third
+    of its time. Neither class has a ``__post_init__`` or cached attributes.
+
+    Example:
+        >>> n = Node(0, "tanh", "elementwise", (0,), (1,))
+        >>> replaced(n, index=3) == dataclasses.replace(n, index=3)
+        True
+    """
+    new = object.__new__(type(item))
+    fields = new.__dict__
+    fields.update(item.__dict__)
+    fields.update(changes)
+    return new
+
+
 @dataclasses.dataclass(frozen=True)
 class Graph:
     """A flat dataflow graph in program order.
@@ -104,9 +125,15 @@ class Graph:
     def consumers(self) -> dict[int, tuple[int, ...]]:
         """Value id -> indices of the nodes that read it, in program order."""
         out: dict[int, list[int]] = {}
+        get = out.get
         for n in self.nodes:
-            for v in dict.fromkeys(n.inputs):
-                out.setdefault(v, []).append(n.index)
+            index = n.index
+            for v in n.inputs:
+                readers = get(v)
+                if readers is None:
+                    out[v] = [index]
+                elif readers[-1] != index:  # a value read twice by one node counts once
+                    readers.append(index)
         return {k: tuple(v) for k, v in out.items()}
 
     @functools.cached_property
@@ -115,9 +142,14 @@ class Graph:
         no argument is read. XLA folds them into their consumers, and a concrete trace of
         the same step may hold them as literals where a symbolic one computes them."""
         inputs, producers = set(self.inputs), self.producers
-        out = {v for n in self.nodes for v in n.inputs if v not in producers and v not in inputs}
-        for n in self.nodes:  # program order is topological
-            if n.kind != "control" and not n.subgraphs and all(v in out for v in n.inputs):
+        out: set[int] = set()
+        for n in self.nodes:  # program order is topological: one pass
+            # Constants and literals enter the set where they are first read (only their
+            # own id decides), so the set holds every operand that is constant by then.
+            for v in n.inputs:
+                if v not in producers and v not in inputs:
+                    out.add(v)
+            if n.kind != "control" and not n.subgraphs and out.issuperset(n.inputs):
                 out.update(n.outputs)
         return frozenset(out)
 

@@ -170,8 +170,9 @@ def _shared_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
     inputs = set(graph.inputs)
     reuse_end: dict[int, int] = {}
     in_output: set[int] = set()
+    nodes = graph.nodes
     for p in range(len(order) - 1, -1, -1):
-        n = graph.nodes[order[p]]
+        n = nodes[order[p]]
         if n.kind not in ("elementwise", "inplace"):
             continue
         for o in n.outputs:
@@ -205,8 +206,11 @@ def _value_buffers(graph: Graph, end: int, owner: dict[int, int], outputs: set[i
     """
     inputs = set(graph.inputs)
     buffers = []
-    for v in graph.values:
-        vid = v.id
+    values = graph.values
+    # Only arguments, outputs and values some node writes can have a buffer: those, in
+    # value order (``values[i].id == i``), not every value of the graph.
+    for vid in sorted(inputs.union(outputs, first_def)):
+        v = values[vid]
         if vid in inputs:
             buffers.append(Buffer(vid, v.nbytes, -1, end, "argument"))
             if vid in outputs:

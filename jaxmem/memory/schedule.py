@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import collections
 
-from jaxmem.graph import Graph, Node
+from jaxmem.graph import Graph
 from jaxmem.memory.fusion import materialised, used_nodes
 
 #: backends whose XLA schedules breadth-first when the order is left to it
@@ -57,7 +57,7 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
     owner = materialised(graph) if owner is None else owner
     used = used_nodes(graph) if used is None else used
     fused = _joins_consumer(graph, owner, used)
-    preds = _instruction_operands(graph, fused)
+    preds, reads_fused = _instruction_operands(graph, fused)
     users: dict[int, list[int]] = collections.defaultdict(list)
     for i, ps in enumerate(preds):
         for p in ps:
@@ -72,7 +72,11 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
     while queue:
         i = queue.popleft()
         if not placed[i]:
-            _place(graph, i, fused, placed, order)
+            if reads_fused[i]:
+                _place(graph, i, fused, placed, order)
+            else:  # what _place does for it: nothing fused to run first
+                placed[i] = True
+                order.append(i)
         for u in users[i]:
             waiting[u] -= 1
             if not waiting[u] and used[u]:
@@ -88,18 +92,22 @@ def _joins_consumer(graph: Graph, owner: dict[int, int], used: list[bool]) -> li
     its own: a fused value, or one computed from constants alone (a broadcast zero, an
     iota), which XLA folds into its consumer (a scatter into zeros becomes a ``pad``)."""
     constant = graph.constant
+    out = []
+    for i, node in enumerate(graph.nodes):
+        if not used[i]:
+            out.append(False)
+        elif node.kind != "control" and not node.subgraphs and constant.issuperset(node.inputs):
+            out.append(True)  # folded
+        else:
+            outs = node.outputs
+            out.append(bool(outs) and all(owner.get(o, o) == -1 for o in outs))
+    return out
 
-    def joins(node: Node) -> bool:
-        folded = (node.kind != "control" and not node.subgraphs
-                  and all(v in constant for v in node.inputs))
-        return folded or (bool(node.outputs) and all(owner.get(o, o) == -1
-                                                     for o in node.outputs))
 
-    return [used[i] and joins(node) for i, node in enumerate(graph.nodes)]
-
-
-def _instruction_operands(graph: Graph, fused: list[bool]) -> list[tuple[int, ...]]:
-    """Per node, the non-fused nodes it waits for (through the fused values it reads).
+def _instruction_operands(graph: Graph, fused: list[bool]
+                          ) -> tuple[list[tuple[int, ...]], list[bool]]:
+    """Per node, the non-fused nodes it waits for (through the fused values it reads), and
+    whether it reads a fused value at all.
 
     One pass in program order (topological, as :func:`_joins_consumer` and
     :func:`~jaxmem.memory.fusion.used_nodes` also require): a fused node's sources are
@@ -107,16 +115,19 @@ def _instruction_operands(graph: Graph, fused: list[bool]) -> list[tuple[int, ..
     barriers of a rewritten step, which read hundreds of values each).
     """
     producers = graph.producers
+    get = producers.get
     through: dict[int, set[int]] = {}  # fused node -> the non-fused nodes it reads through
     out: list[tuple[int, ...]] = []
+    reads_fused = [False] * len(fused)
     for i, node in enumerate(graph.nodes):
         srcs: set[int] = set()
         for v in node.inputs:
-            p = producers.get(v)
+            p = get(v)
             if p is None:
                 continue
             if fused[p]:
                 srcs.update(through[p])
+                reads_fused[i] = True
             else:
                 srcs.add(p)
         if fused[i]:
@@ -124,7 +135,7 @@ def _instruction_operands(graph: Graph, fused: list[bool]) -> list[tuple[int, ..
             out.append(())
         else:
             out.append(tuple(sorted(srcs)))
-    return out
+    return out, reads_fused
 
 
 def _place(graph: Graph, i: int, fused: list[bool], placed: list[bool],
@@ -132,6 +143,7 @@ def _place(graph: Graph, i: int, fused: list[bool], placed: list[bool],
     """Appends node ``i`` after the fused nodes it reads that are not placed yet."""
     if placed[i]:
         return
+    producers, nodes = graph.producers, graph.nodes
     stack = [(i, False)]
     while stack:
         j, ready = stack.pop()
@@ -142,8 +154,7 @@ def _place(graph: Graph, i: int, fused: list[bool], placed: list[bool],
             order.append(j)
             continue
         stack.append((j, True))
-        producers = graph.producers
-        for v in reversed(graph.nodes[j].inputs):
+        for v in reversed(nodes[j].inputs):
             p = producers.get(v)
             if p is not None and fused[p] and not placed[p]:
                 stack.append((p, False))

@@ -31,7 +31,7 @@ from collections.abc import Collection, Iterable, Sequence
 
 import sympy
 
-from jaxmem.graph import Graph, Node, Value
+from jaxmem.graph import Graph, Node, Value, replaced
 from jaxmem.memory import materialised
 from jaxmem.plan.offload import transfer_eqn
 from jaxmem.plan.residuals import HEAVY_KINDS, Residual, find_residuals, recompute_chain
@@ -263,22 +263,21 @@ class _Rewrite:
         """A new value shaped like ``like`` (taking no device bytes on the host); its id."""
         v = self.values[like]
         vid = len(self.values)
-        # Direct construction: dataclasses.replace was most of a rewrite's time.
+        # Copied without the frozen __init__ (dataclasses.replace was most of a rewrite's time).
         self.values.append(Value(vid, v.shape, v.dtype, sympy.Integer(0), True) if on_host
-                           else Value(vid, v.shape, v.dtype, v.nbytes, v.host))
+                           else replaced(v, id=vid))
         return vid
 
-    def emit(self, node: Node, inputs: list[int], operands: list[int | None],
-             outputs: list[int], scope: str | None = None) -> None:
+    def emit(self, node: Node, inputs: Sequence[int], operands: Sequence[int | None],
+             outputs: Sequence[int], scope: str | None = None) -> None:
         """Appends ``node`` reading and writing the given values (``node`` itself if unchanged)."""
         index, ins, ops, outs = len(self.nodes), tuple(inputs), tuple(operands), tuple(outputs)
         if (index == node.index and ins == node.inputs and ops == node.operands
                 and outs == node.outputs and scope is None):
             self.nodes.append(node)  # the forward pass, before any block: shared, not copied
             return
-        self.nodes.append(Node(index, node.primitive, node.kind, ins, outs,
-                               node.scope if scope is None else scope, node.subgraphs,
-                               node.flops, node.params, node.eqn, ops))
+        self.nodes.append(replaced(node, index=index, inputs=ins, outputs=outs, operands=ops,
+                                   scope=node.scope if scope is None else scope))
 
     def transfer(self, src: int, original: int, to_host: bool, scope: str) -> int:
         """A ``device_put`` of ``src`` to host or device memory; the copy's value id."""
@@ -293,11 +292,12 @@ class _Rewrite:
             self.nodes.append(node)  # what emit does with it, without building its tuples
             return
         if node.is_backward:
-            ins = [self.rename.get(v, v) for v in node.inputs]
-            ops = [None if o is None else self.rename.get(o, o) for o in node.operands]
-            self.emit(node, ins, ops, list(node.outputs))
+            rename = self.rename
+            ins = [rename.get(v, v) for v in node.inputs]
+            ops = [None if o is None else rename.get(o, o) for o in node.operands]
+            self.emit(node, ins, ops, node.outputs)
         else:
-            self.emit(node, list(node.inputs), list(node.operands), list(node.outputs))
+            self.emit(node, node.inputs, node.operands, node.outputs)
 
     def rebuild_block(self, node: Node, block: list[tuple[Residual, Chain]]) -> None:
         """Brings back, just before ``node``, the residuals whose first use it is."""

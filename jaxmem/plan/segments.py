@@ -36,6 +36,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from jaxmem.fastexpr import sum_at
 from jaxmem.graph import Graph
 from jaxmem.plan.residuals import Residual, is_forward
 
@@ -145,7 +146,8 @@ def find_segments(graph: Graph, corner: Mapping[Any, int] | None = None,
         crossing.append(frozenset(live))
     spans = collections.Counter(v for c in crossing for v in c)
     shared = {v for v, k in spans.items() if k > SHARED_FRACTION * len(forward)}
-    done = (list(itertools.accumulate(float(n.flops.subs(corner)) for n in forward))
+    # sum_at evaluates each distinct FLOP expression once (every layer repeats them).
+    done = (list(itertools.accumulate(float(sum_at([n.flops], corner)) for n in forward))
             if corner is not None else [0.0] * len(forward))
     cuts: list[int] = []
     cut_flops: list[float] = []
