@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import sympy
 from jax.extend import core as jcore
 
@@ -56,12 +57,42 @@ def _inline(b: Builder, env: dict, eqn: Any, scope: str, closed: Any) -> None:
 @register_rule("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
                "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint", "custom_lin")
 def _call_rule(b: Builder, env: dict, eqn: Any, scope: str) -> None:
+    if eqn.primitive.name in ("remat2", "checkpoint") and eqn.params.get("differentiated"):
+        eqn = _behind_barrier(b, env, eqn, scope)
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         sub = eqn.params.get(key)
         if sub is not None and len(getattr(sub, "jaxpr", sub).invars) == len(eqn.invars):
             _inline(b, env, eqn, scope, sub)
             return
     default_rule(b, env, eqn, scope)
+
+
+def _behind_barrier(b: Builder, env: dict, eqn: Any, scope: str) -> Any:
+    """A differentiated ``jax.checkpoint`` whose inputs first pass an optimization barrier.
+
+    JAX lowers such an equation (the recomputation and backward pass of a checkpointed
+    function) with its ``prevent_cse`` inputs behind one barrier, so that XLA neither
+    merges the recomputation with the forward pass nor runs it before the incoming
+    cotangent exists. Inlined without the barrier, the recomputation would be scheduled
+    as early as its inputs allow (XLA's CPU order is breadth-first) and, in a rewritten
+    level, lowered without it.
+    """
+    prevent = eqn.params.get("prevent_cse", True)
+    prevent = (prevent,) * len(eqn.invars) if isinstance(prevent, bool) else tuple(prevent)
+    held = [i for i, (a, p) in enumerate(zip(eqn.invars, prevent, strict=True))
+            if p and not isinstance(a, jcore.Literal)]
+    if not held:
+        return eqn
+    specs = [jax.ShapeDtypeStruct(eqn.invars[i].aval.shape, eqn.invars[i].aval.dtype)
+             for i in held]
+    barrier = jax.make_jaxpr(lambda *xs: jax.lax.optimization_barrier(xs))(*specs).jaxpr.eqns[0]
+    outs = [jcore.Var(eqn.invars[i].aval) for i in held]
+    default_rule(b, env, barrier.replace(invars=[eqn.invars[i] for i in held], outvars=outs),
+                 scope)
+    invars = list(eqn.invars)
+    for i, v in zip(held, outs, strict=True):
+        invars[i] = v
+    return eqn.replace(invars=invars)
 
 
 def _control(b: Builder, env: dict, eqn: Any, scope: str, bodies: list[Any],
