@@ -29,7 +29,6 @@ from jaxmem.memory.fusion import (
     used_nodes,
 )
 from jaxmem.memory.precision import buffer_sizes, operand_copies
-from jaxmem.memory.ynn import ynn_constant_broadcasts, ynn_fused_sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +80,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     owner = materialised(graph) if owner is None else owner
     used = used_nodes(graph) if used is None else used
     widened = buffer_sizes(graph, owner, backend)
-    # XLA CPU's YNN fusions leave some values without a buffer (jaxmem.memory.ynn).
-    sizes = {**ynn_fused_sizes(graph, owner, used), **widened} if backend == "cpu" else widened
-    size = lambda v: sizes.get(v, graph.values[v].nbytes)  # noqa: E731
+    size = lambda v: widened.get(v, graph.values[v].nbytes)  # noqa: E731
     srcs = _buffer_sources(graph, owner)
     first_def, last_use = _definitions_and_uses(graph, order, owner, srcs, used)
     outputs = _output_buffers(graph, order, owner, first_def)
@@ -92,8 +89,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
                              reuse_end, in_output, size)
     for x in (*transposed_copies(graph, order, owner, size),
               *epilogue_broadcasts(graph, order, owner, first_def),
-              *operand_copies(graph, order, owner, backend, widened),
-              *(ynn_constant_broadcasts(graph, order, used) if backend == "cpu" else ())):
+              *operand_copies(graph, order, owner, backend, widened)):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
     return tuple(buffers)
 
