@@ -101,25 +101,3 @@ def test_a_value_a_reduction_shares_is_materialised() -> None:
     xla = jaxmem.xla_peak_bytes(jax.jit(ln).lower(spec).compile())
     pred = int(memory_model(g, ShapeDomain.from_constraints((), ())).peak_bytes)
     assert abs(pred - xla) / xla <= 0.10, (pred, xla)
-
-
-def _shared_bf16_value(x, w):
-    # ``u`` is read by the dot's operand fusion and, after the dot, by the output's.
-    u = x * 3 + 1
-    a = jnp.matmul(u * 2, w, preferred_element_type=F32)
-    return jnp.sin(u) * a
-
-
-@cpu_only
-@pytest.mark.parametrize("dt", [BF, F32], ids=["bf16", "f32"])
-def test_a_bf16_result_read_twice_keeps_a_buffer(dt) -> None:
-    # XLA's CPU fusion does not duplicate a float32 -> bfloat16 rounding (it counts the
-    # convert as expensive): bf16 ``u`` gets a buffer next to ``u * 2`` (XLA's temp: both),
-    # f32 ``u`` fuses into both readers (XLA's temp: the dot's result, the size of
-    # ``u * 2``). Nothing here is reused, so the model's temps all add up.
-    specs = (S((1024, 512), dt), S((512, 512), dt))
-    g = build_graph(jax.make_jaxpr(_shared_bf16_value)(*specs))
-    xla_temp = jax.jit(_shared_bf16_value).lower(*specs).compile().memory_analysis(
-    ).temp_size_in_bytes
-    m = memory_model(g, ShapeDomain.from_constraints((), ()), backend="cpu")
-    assert int(m.temp_bytes_without_reuse) == xla_temp, (int(m.temp_bytes_without_reuse), xla_temp)

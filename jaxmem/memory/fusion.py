@@ -91,48 +91,10 @@ def materialised(graph: Graph) -> dict[int, int]:
             # materialised, not recomputed in each (measured: LayerNorm's ``x - mean``,
             # and the float32 convert of a bfloat16 input, get their own buffers).
             duplicable = len(kinds) <= 1 or (n.primitive not in EXPENSIVE
-                                             and not rounds_to_bfloat16(graph, n)
                                              and "reduce" not in kinds
                                              and _effectively_unary(graph, n))
             owner[o] = -1 if (fusible and duplicable) else o
     return owner
-
-
-# Element-wise ops that move or pick data: XLA's CPU backend runs them on bfloat16 as
-# they are; any other element-wise op on bfloat16 computes in float32 and rounds back.
-_MOVES_DATA = frozenset("""
-select_n broadcast_in_dim iota transpose slice concatenate pad rev dynamic_slice squeeze
-expand_dims copy copy_p stop_gradient split
-""".split())
-
-
-def rounds_to_bfloat16(graph: Graph, node: Node) -> bool:
-    """Whether XLA's CPU backend ends ``node`` with a float32 -> bfloat16 convert.
-
-    XLA's CPU fusion counts that convert as expensive
-    (``CpuInstructionFusion::IsExpensive``: rounding checks for NaN), so it never
-    duplicates such a result into several consumers: a bfloat16 ``h + b`` that the
-    forward gelu and its backward both read keeps a buffer (bf16 GPT at (8, 512),
-    level 5: ``add_convert_fusion`` and ``multiply_convert_fusion``, 8 MiB each per
-    layer, live from the forward to the backward). Other backends do not round so;
-    the rule is XLA CPU's.
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> from jaxmem.graph import build_graph
-        >>> bf = jnp.bfloat16
-        >>> g = build_graph(jax.make_jaxpr(lambda x: (x + 1).T)(jax.ShapeDtypeStruct((2, 4), bf)))
-        >>> [rounds_to_bfloat16(g, n) for n in g.nodes]  # the add rounds, the transpose moves
-        [True, False]
-    """
-    if not node.outputs or graph.values[node.outputs[0]].dtype != "bfloat16":
-        return False
-    if node.primitive in _MOVES_DATA:
-        return False
-    # A jaxpr cast to bfloat16 is duplicated all the same (measured, why not found): a
-    # bf16 Llama's float32 RMSNorm output cast to bf16 and read by two multiplies gets
-    # no buffer in XLA; counting it put small_llama_bf16 at (8, 256) 2.5 points over.
-    return node.primitive != "convert_element_type"
 
 
 def _sunk_broadcasts(graph: Graph) -> frozenset[int]:
