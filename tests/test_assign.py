@@ -111,12 +111,7 @@ def _plain_greedy(sizes, spans, alloc, writes) -> tuple[int, ...]:
 def test_greedy_assignment_equals_the_plain_loop(temps, outs) -> None:
     # Small ranges: many ties in size, start, allocation and write, which the stable
     # sorts must break as the plain loop does.
-    sizes = np.array([4.0 * e for e, _, _ in temps])
-    spans = [(s, s + d) for _, s, d in temps]
-    alloc = np.array([4.0 * k for k, _ in outs])
-    writes = [w for _, w in outs]
-    assert greedy_assignment(sizes, spans, alloc, writes) == _plain_greedy(
-        sizes, spans, alloc, writes)
+    _assert_same_as_plain_loop(temps, outs)
 
 
 @settings(max_examples=100, deadline=None)
@@ -126,6 +121,11 @@ def test_greedy_assignment_equals_the_plain_loop(temps, outs) -> None:
 def test_empty_spans_get_the_plain_loop_s_answer_too(temps, outs) -> None:
     # first > last happens nowhere in practice; the bitset form does not take such spans,
     # and the one-by-one walk must answer as the plain loop did.
+    _assert_same_as_plain_loop(temps, outs)
+
+
+def _assert_same_as_plain_loop(temps, outs) -> None:
+    """``(size/4, start, length)`` temporaries and ``(size/4, write)`` outputs."""
     sizes = np.array([4.0 * e for e, _, _ in temps])
     spans = [(s, s + d) for _, s, d in temps]
     alloc = np.array([4.0 * k for k, _ in outs])
