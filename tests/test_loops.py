@@ -23,9 +23,11 @@ import jaxmem
 from bench.programs import causal_attention, layer_norm, optax_step
 from jaxmem.dims import sym
 from jaxmem.graph import JaxmemWarning, build_graph
+from jaxmem.graph.build import dim_of
 from jaxmem.lower import as_function, compiler_options
 from jaxmem.memory.liveness import liveness
 from jaxmem.plan.loops import LoopPlan, apply_loop_plan, loop_candidates
+from jaxmem.plan.offload import Costs
 from jaxmem.plan.scan_pairs import find_scan_pairs
 
 LAYERS, D, HEADS, VOCAB, B, S = 3, 64, 2, 64, 2, 64
@@ -269,3 +271,57 @@ def test_a_constant_filler_the_loops_read_takes_no_buffer(args):
         shape = "f32[" + ",".join(str(int(d)) for d in rewritten.values[v].shape) + "]"
         assert not any(shape in s for s in states), shape
     assert not {b.value for b in liveness(rewritten)} & set(fillers)
+
+
+#: Rates at which this decoder's score matmul (contracting a head's 32 lanes) re-runs
+#: faster than a loop stacks its output, and its wider matmuls do not.
+SCORE_RERUN_COSTS = Costs(1e11, 1e10, 1.25e10)
+
+
+def _score_ordinal(graph, pair) -> int:
+    body = graph.nodes[pair.forward].eqn.params["jaxpr"].jaxpr
+    dots = [e for e in body.eqns if e.primitive.name == "dot_general"]
+    (k,) = [k for k, e in enumerate(dots) if e.outvars[0].aval.shape == (B, HEADS, S, S)]
+    return k
+
+
+def test_matmuls_cheaper_to_rerun_than_to_stack_are_rerun_in_the_backward_loop():
+    """The flash-attention choice, found by cost: the scores' matmul is re-run in the
+    backward body, the other matmul outputs are stacked, and the step is unchanged."""
+    args, step = _args(SGD), scan_step(opt=SGD)
+    flat, tree = jax.tree_util.tree_flatten(args)
+    graph = build_graph(jax.make_jaxpr(lambda *a: step(*tree.unflatten(a)))(*flat))
+    (pair,) = find_scan_pairs(graph)
+    corner = {sym("b"): B, sym("s"): S}
+    plans = loop_candidates(graph, [pair], corner, SCORE_RERUN_COSTS)
+    (plan,) = [p for p in plans if p.saved_ordinals is not None]
+    (kept,) = plan.saved_ordinals
+    score = _score_ordinal(graph, pair)
+    assert score not in kept and len(kept) >= 4
+    assert all(p.saved_ordinals is None for p in loop_candidates(graph, [pair], corner))
+
+    rewritten = apply_loop_plan(graph, plan)
+    backward = rewritten.nodes[pair.backward].eqn.params["jaxpr"].jaxpr
+    reruns = [e for e in backward.eqns if e.primitive.name == "dot_general"
+              and e.outvars[0].aval.shape == (B, HEADS, S, S)]
+    original = graph.nodes[pair.backward].eqn.params["jaxpr"].jaxpr
+    assert len(reruns) > sum(e.primitive.name == "dot_general"
+                             and e.outvars[0].aval.shape == (B, HEADS, S, S) for e in original.eqns)
+    run = as_function(rewritten)
+    _assert_same(jax.jit(run)(*flat), jax.tree_util.tree_leaves(jax.jit(step)(*args)))
+
+
+def test_a_step_is_predicted_slower_by_the_passes_over_what_its_loops_stack(planned, args):
+    """``Level.step_s``: FLOPs at the device rate plus three passes over the bytes the
+    scans stack, counted here from the rewritten graphs' scan equations."""
+    _, plans = planned
+    costs = plans.costs
+    dims = {"b": B, "s": S}
+    for level in plans.levels:
+        scans = [n.eqn for n in level.graph.nodes if n.primitive == "scan"]
+        stacked = sum(int(np.prod([int(dim_of(d).subs({sym("b"): B, sym("s"): S}))
+                                   for d in v.aval.shape])) * v.aval.dtype.itemsize
+                      for e in scans for v in e.outvars[e.params["num_carry"]:])
+        assert stacked > 0
+        want = costs.recompute_s(level.flops_fn(dims)) + 3 * stacked / costs.memory_bytes_per_s
+        assert level.step_s(dims, costs) == pytest.approx(want)

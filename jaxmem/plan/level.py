@@ -72,11 +72,21 @@ class Level:
         """:attr:`offload_bytes` as a fast numeric function of the dims."""
         return _numeric(sympy.sympify(self.offload_bytes))
 
+    @functools.cached_property
+    def stacked_bytes_fn(self) -> Callable[..., Any]:
+        """Bytes the step's ``scan`` loops stack (their per-iteration outputs) as a numeric
+        function of the dims: loop plans trade them for re-run FLOPs."""
+        return _numeric(expanded_sum(self.graph.values[v].nbytes for n in self.graph.nodes
+                                     if n.primitive == "scan" and n.eqn is not None
+                                     for v in n.outputs[n.eqn.params["num_carry"]:]))
+
     def step_s(self, dims: Mapping[str, int], costs: Costs) -> float:
         """Predicted seconds of one step at ``dims``: its FLOPs (recomputation included)
-        at ``costs``' rate, plus the round trips of what it offloads."""
+        at ``costs``' rate, the passes over what its loops stack, and the round trips of
+        what it offloads."""
         moved = costs.transfer_s(self.offload_bytes_fn(dims)) if self.offloaded else 0.0
-        return costs.recompute_s(self.flops_fn(dims)) + moved
+        return (costs.recompute_s(self.flops_fn(dims)) + moved
+                + costs.stacking_s(self.stacked_bytes_fn(dims)))
 
     @functools.cached_property
     def flops_fn(self) -> Callable[..., Any]:

@@ -369,7 +369,7 @@ class _Greedy:
             return
         bases = list(dict.fromkeys([((), ()), (base.recompute, base.offload)]))
         candidates = []
-        for plan in loop_candidates(self.graph, pairs, self.corner):
+        for plan in loop_candidates(self.graph, pairs, self.corner, self.costs):
             for recompute, offload in bases:
                 g2, chosen, moved = with_loop_plan(self.graph, plan, recompute, offload)
                 m = memory_model(g2, self.dom, donated=self.donated, symbolic=self.symbolic)

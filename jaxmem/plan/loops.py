@@ -37,7 +37,11 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import sympy
+
 from jaxmem.graph import Builder, Graph, JaxmemWarning, Node
+from jaxmem.graph.build import dim_of
+from jaxmem.plan.offload import Costs
 from jaxmem.plan.remat import apply_remat
 from jaxmem.plan.residuals import Residual, find_residuals
 from jaxmem.plan.scan_pairs import ScanPair, find_scan_pairs, rewrite_pair
@@ -63,11 +67,15 @@ class LoopPlan:
             not equation positions: the symbolic trace's bodies hold equations on dims
             that a concrete trace's lack, so positions differ between the traces.
         label: what the plan rebuilds, for people.
+        saved_ordinals: per pair, which of the forward body's ``saved_primitive``
+            equations are saved, by their order among those equations (the same on every
+            trace); None: all of them.
     """
 
     drop: tuple[tuple[int, ...], ...]
     saved_primitive: str = ""
     label: str = "every stacked residual"
+    saved_ordinals: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def name(self) -> str:
@@ -79,15 +87,19 @@ class LoopPlan:
             set(d) <= set(p.droppable) for p, d in zip(pairs, self.drop, strict=True))
 
 
-def loop_candidates(graph: Graph, pairs: Sequence[ScanPair],
-                    corner: Mapping[Any, int]) -> tuple[LoopPlan, ...]:
+def loop_candidates(graph: Graph, pairs: Sequence[ScanPair], corner: Mapping[Any, int],
+                    costs: Costs | None = None) -> tuple[LoopPlan, ...]:
     """The loop plans worth scoring: the largest stacked residuals first, then all.
 
     Residuals are taken by size class at the domain's ``corner`` (the attention
     probabilities before the layer-norm statistics), each plan rebuilding every
-    class from the largest down to one more than the plan before; then every residual
-    but from the matmul outputs, stacked instead (per-iteration ``dots_saveable``);
-    the last one rebuilds every residual the bodies can (``nothing_saveable``).
+    class from the largest down to one more than the plan before; with ``costs``,
+    every residual from the matmul outputs that take longer to re-run than to stack
+    (the attention scores' matmul, whose few FLOPs per output byte a loop re-runs
+    faster than it stacks them, is re-run: the flash-attention choice); every
+    residual but from all the matmul outputs, stacked instead (per-iteration
+    ``dots_saveable``); the last one rebuilds every residual the bodies can
+    (``nothing_saveable``).
     """
     def size(p: ScanPair, j: int) -> float:
         v = graph.nodes[p.forward].outputs[graph.nodes[p.forward].eqn.params["num_carry"] + j]
@@ -102,16 +114,45 @@ def loop_candidates(graph: Graph, pairs: Sequence[ScanPair],
     saving = LoopPlan(tuple(tuple(j for j in p.droppable if j not in made)
                             for p, made in zip(pairs, dots, strict=True)),
                       "dot_general", "every stacked residual but matmul outputs")
-    return (*[p for p in plans if p.drop != every.drop], saving, every)
+    dear = [_dear_dots(graph, p, corner, costs) for p in pairs] if costs is not None else []
+    counts = [len(_made_by(graph, p, "dot_general")[0]) for p in pairs]
+    if any(0 < len(d) < n for d, n in zip(dear, counts, strict=False)):  # neither all nor none
+        made = [_made_by(graph, p, "dot_general", kept)[1]
+                for p, kept in zip(pairs, dear, strict=True)]
+        plans.append(LoopPlan(tuple(tuple(j for j in p.droppable if j not in m)
+                                    for p, m in zip(pairs, made, strict=True)),
+                              "dot_general", "every stacked residual but the matmul outputs "
+                              "dearer to re-run than to stack", tuple(dear)))
+    partial = [p for p in plans if p not in (every, saving) and any(p.drop)]
+    return (*dict.fromkeys(partial), saving, every)
 
 
-def _made_by(graph: Graph, pair: ScanPair, primitive: str
-             ) -> tuple[tuple[int, ...], frozenset[int]]:
-    """The forward body's equations of ``primitive`` (positions), and the droppable ys
-    positions they make."""
+def _dear_dots(graph: Graph, pair: ScanPair, corner: Mapping[Any, int],
+               costs: Costs) -> tuple[int, ...]:
+    """Ordinals of the forward body's matmuls whose outputs take longer to re-run (their
+    FLOPs at ``costs``' rate) than to stack (``Costs.stacking_s``), at ``corner``."""
+    body = graph.nodes[pair.forward].eqn.params["jaxpr"].jaxpr
+    dots = [e for e in body.eqns if e.primitive.name == "dot_general"]
+    dear = []
+    for k, e in enumerate(dots):
+        (contracted, _), _ = e.params["dimension_numbers"]
+        lhs, out = e.invars[0].aval, e.outvars[0].aval
+        size = float(sympy.Mul(*[dim_of(d) for d in out.shape]).subs(corner))
+        depth = float(sympy.Mul(*[dim_of(lhs.shape[i]) for i in contracted]).subs(corner))
+        if costs.recompute_s(2 * size * depth) >= costs.stacking_s(size * out.dtype.itemsize):
+            dear.append(k)
+    return tuple(dear)
+
+
+def _made_by(graph: Graph, pair: ScanPair, primitive: str,
+             ordinals: Sequence[int] | None = None) -> tuple[tuple[int, ...], frozenset[int]]:
+    """The forward body's equations of ``primitive`` (positions; only the ``ordinals``-th
+    of them if given), and the droppable ys positions they make."""
     eqn = graph.nodes[pair.forward].eqn
     body = eqn.params["jaxpr"].jaxpr
     at = tuple(i for i, e in enumerate(body.eqns) if e.primitive.name == primitive)
+    if ordinals is not None:
+        at = tuple(at[k] for k in ordinals if k < len(at))
     outs = {v for i in at for v in body.eqns[i].outvars}
     ncar = eqn.params["num_carry"]
     return at, frozenset(j for j in pair.droppable if body.outvars[ncar + j] in outs)
@@ -146,9 +187,10 @@ def apply_loop_plan(graph: Graph, plan: LoopPlan) -> Graph:
     builder = Builder()
     builder.values = list(graph.values)
     replaced: dict[int, Node] = {}
-    for pair, drop in zip(pairs, plan.drop, strict=True):
+    ordinals = plan.saved_ordinals or [None] * len(pairs)
+    for pair, drop, kept in zip(pairs, plan.drop, ordinals, strict=True):
         if drop:
-            save = _made_by(graph, pair, plan.saved_primitive)[0]
+            save = _made_by(graph, pair, plan.saved_primitive, kept)[0]
             replaced.update(rewrite_pair(graph, pair, drop, save, builder))
     if not replaced:
         return graph

@@ -41,10 +41,13 @@ class Costs:
     Attributes:
         flops_per_s: sustained arithmetic rate of the device.
         host_bytes_per_s: one-way bandwidth between device and host memory.
+        memory_bytes_per_s: sustained bandwidth of device memory, which a loop's stacked
+            residuals cross three times (filled, written, read back).
     """
 
     flops_per_s: float
     host_bytes_per_s: float
+    memory_bytes_per_s: float = 3e12
 
     def recompute_s(self, flops: float) -> float:
         """Time to re-run ``flops`` of forward work."""
@@ -54,11 +57,22 @@ class Costs:
         """Time to move ``nbytes`` to the host and back."""
         return 2.0 * nbytes / self.host_bytes_per_s
 
+    def stacking_s(self, nbytes: float) -> float:
+        """Time a loop spends stacking ``nbytes`` of residuals and reading them back.
+
+        The stacked buffer is filled before the loop, each iteration copies its slice
+        in, and the backward loop reads it: three passes over device memory that
+        saving the same values in an unrolled step does not make.
+        """
+        return 3.0 * nbytes / self.memory_bytes_per_s
+
 
 # Order-of-magnitude figures: an H100/H200-class GPU at a sustained fraction of its
-# dense rate over PCIe Gen5; a TPU v5-class chip; two CPU cores. Only their ratio
-# matters, and only where a residual could go either way.
-_COSTS = {"gpu": Costs(4e14, 5e10), "tpu": Costs(2e14, 5e10), "cpu": Costs(1e11, 1e10)}
+# dense rate and HBM bandwidth, over PCIe Gen5; a TPU v5-class chip; two CPU cores
+# (memory: what a stacking scan reached here, docs/notes.md). Only their ratios matter,
+# and only where a residual could go either way.
+_COSTS = {"gpu": Costs(4e14, 5e10, 3e12), "tpu": Costs(2e14, 5e10, 8e11),
+          "cpu": Costs(1e11, 1e10, 4e9)}
 
 
 def costs_for(backend: str) -> Costs:

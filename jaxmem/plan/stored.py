@@ -61,7 +61,7 @@ def encode_plans(plans: PlanSet, orders: Orders, graph: Graph) -> dict[str, Any]
             "groups": [[name, [r.value for r in rs]] for name, rs in plans.groups],
             "levels": [_encode_level(level, table) for level in plans.levels],
             "comparisons": [[k, v] for k, v in plans.comparisons],
-            "costs": [plans.costs.flops_per_s, plans.costs.host_bytes_per_s],
+            "costs": list(dataclasses.astuple(plans.costs)),
             "orders": [None if o is None else list(o) for o in orders],
             "exprs": table.rows}
     try:
@@ -87,7 +87,8 @@ def _encode_level(level: Level, t: ExprTable) -> dict[str, Any]:
                                               seg.n_cuts],
         "loops": None if level.loops is None else [
             [list(d) for d in level.loops.drop], level.loops.saved_primitive,
-            level.loops.label],
+            level.loops.label, None if level.loops.saved_ordinals is None
+            else [list(o) for o in level.loops.saved_ordinals]],
         "memory": {
             "buffers": [[b.value, t.add(b.nbytes), b.start, b.end, b.kind, b.note]
                         for b in m.buffers],
@@ -168,8 +169,10 @@ def _decode_level(d: dict[str, Any], graph: Graph, residuals: tuple[Residual, ..
 
 
 def _decode_loop_level(d: dict[str, Any], graph: Graph, exprs: list[sympy.Basic]) -> Level:
-    drop, save, label = d["loops"]
-    plan = LoopPlan(tuple(tuple(int(i) for i in x) for x in drop), str(save), str(label))
+    drop, save, label, ordinals = d["loops"]
+    plan = LoopPlan(tuple(tuple(int(i) for i in x) for x in drop), str(save), str(label),
+                    None if ordinals is None else tuple(tuple(int(i) for i in o)
+                                                        for o in ordinals))
     if not plan.fits(find_scan_pairs(graph)):
         raise StaleEntryError("entry's loop plan does not fit this trace's scan loops")
     recompute = tuple(d["recompute"])
