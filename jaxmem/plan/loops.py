@@ -130,7 +130,8 @@ def loop_candidates(graph: Graph, pairs: Sequence[ScanPair], corner: Mapping[Any
 def _dear_dots(graph: Graph, pair: ScanPair, corner: Mapping[Any, int],
                costs: Costs) -> tuple[int, ...]:
     """Ordinals of the forward body's matmuls whose outputs take longer to re-run (their
-    FLOPs at ``costs``' rate) than to stack (``Costs.stacking_s``), at ``corner``."""
+    FLOPs at ``costs``' rate) than to stack past the cache (``Costs.stacked_byte_s``),
+    at ``corner``."""
     body = graph.nodes[pair.forward].eqn.params["jaxpr"].jaxpr
     dots = [e for e in body.eqns if e.primitive.name == "dot_general"]
     dear = []
@@ -139,7 +140,7 @@ def _dear_dots(graph: Graph, pair: ScanPair, corner: Mapping[Any, int],
         lhs, out = e.invars[0].aval, e.outvars[0].aval
         size = float(sympy.Mul(*[dim_of(d) for d in out.shape]).subs(corner))
         depth = float(sympy.Mul(*[dim_of(lhs.shape[i]) for i in contracted]).subs(corner))
-        if costs.recompute_s(2 * size * depth) >= costs.stacking_s(size * out.dtype.itemsize):
+        if costs.recompute_s(2 * size * depth) >= costs.stacked_byte_s * size * out.dtype.itemsize:
             dear.append(k)
     return tuple(dear)
 
