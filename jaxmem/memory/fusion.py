@@ -195,7 +195,13 @@ def epilogue_broadcasts(graph: Graph, order: Sequence[int], owner: dict[int, int
             for v in frontier:
                 for u in consumers.get(v, ()):
                     e = nodes[u]
-                    if e.kind not in ("elementwise", "view") or not e.outputs:
+                    # No fusion crosses an optimization barrier (a rewritten level's
+                    # recomputation reads the dot's result through one); walking through
+                    # it also took the barrier's first output, whatever it was, for the
+                    # dot's (a recomputed softmax's exp: a 64 MiB broadcast XLA never
+                    # makes, llama 4x256 at (8, 512), levels 3-7).
+                    if (e.kind not in ("elementwise", "view") or not e.outputs
+                            or e.primitive == "optimization_barrier"):
                         continue
                     if e.kind == "elementwise":
                         out.extend(_broadcast_operands(graph, e, region, owner, first_def,
