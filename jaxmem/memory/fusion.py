@@ -195,11 +195,17 @@ def epilogue_broadcasts(graph: Graph, order: Sequence[int], owner: dict[int, int
             for v in frontier:
                 for u in consumers.get(v, ()):
                     e = nodes[u]
-                    if e.kind not in ("elementwise", "view") or not e.outputs:
+                    # No fusion crosses an optimization barrier (a rewritten level's
+                    # recomputation reads the dot's result through one); walking through
+                    # it also took the barrier's first output, whatever it was, for the
+                    # dot's (a recomputed softmax's exp: a 64 MiB broadcast XLA never
+                    # makes, llama 4x256 at (8, 512), levels 3-7).
+                    if (e.kind not in ("elementwise", "view") or not e.outputs
+                            or e.primitive == "optimization_barrier"):
                         continue
                     if e.kind == "elementwise":
                         out.extend(_broadcast_operands(graph, e, region, owner, first_def,
-                                                       pos, seen))
+                                                       pos, seen, node.index))
                     region.add(e.outputs[0])
                     nxt.append(e.outputs[0])
             frontier = nxt
@@ -208,8 +214,9 @@ def epilogue_broadcasts(graph: Graph, order: Sequence[int], owner: dict[int, int
 
 def _broadcast_operands(graph: Graph, e: Node, region: set[int], owner: dict[int, int],
                         first_def: dict[int, int], pos: dict[int, int],
-                        seen: set[tuple[int, int]]) -> list[Extra]:
-    """The operands of epilogue op ``e`` that XLA reads broadcast to ``e``'s full shape."""
+                        seen: set[tuple[int, int]], dot: int) -> list[Extra]:
+    """The operands of epilogue op ``e`` of ``dot`` that XLA reads broadcast to ``e``'s
+    full shape."""
     producers = graph.producers
     size = _elements(graph, e.outputs[0])
     out = []
@@ -228,6 +235,12 @@ def _broadcast_operands(graph: Graph, e: Node, region: set[int], owner: dict[int
         # program gets the same buffers as the symbolic one.
         if len(graph.values[src].shape) <= 1 or small == size:
             continue
+        # A row statistic of the dot's own result (softmax backward's ``sum(dP * P)``)
+        # is no operand of the dot's fusion: XLA computes it after the dot, or inside
+        # one YNN fusion with it (llama 4x256 at (8, 512), the level recomputing the
+        # softmax sums: one broadcast operand in XLA's fusion, two in the model).
+        if _depends_on(graph, pos, src, dot):
+            continue
         seen.add((x, e.index))
         o = owner.get(src, src)
         here = pos[e.index]
@@ -236,6 +249,24 @@ def _broadcast_operands(graph: Graph, e: Node, region: set[int], owner: dict[int
         out.append(Extra(x, sympy.expand(size * itemsize), start, here,
                          "broadcast epilogue operand"))
     return out
+
+
+def _depends_on(graph: Graph, pos: dict[int, int], v: int, node: int) -> bool:
+    """Whether value ``v`` is computed from an output of ``node`` (``pos``: a topological
+    order; only the nodes after ``node`` in it are visited)."""
+    start = pos[node]
+    stack, seen = [v], {v}
+    while stack:
+        p = graph.producers.get(stack.pop())
+        if p is None or pos[p] < start:
+            continue
+        if p == node:
+            return True
+        for i in graph.nodes[p].inputs:
+            if i not in seen:
+                seen.add(i)
+                stack.append(i)
+    return False
 
 
 def _canonical_dot_operands(dims: tuple, ranks: tuple[int, int]) -> tuple[bool, bool]:
