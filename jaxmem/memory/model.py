@@ -77,12 +77,17 @@ class MemoryModel:
         points: temporary bytes live at each order position (monomial, coefficient pairs);
             ``timeline`` has them as sympy expressions.
         candidates: order positions whose live set can be the maximum somewhere.
-        comparisons: how the pruning comparisons were decided.
-        temp_bytes_without_reuse: ``temp_bytes`` if no temporary could use an
-            output buffer before the output is written: a ``Max`` of polynomials,
-            an upper bound of ``temp_bytes`` (equal when ``reuse_outputs=False``).
+        counted: the comparisons counted when the model was built; ``comparisons``
+            (a property) adds those of the reuse-free bound.
+        upper: ``temp_bytes_without_reuse``, or what it is derived from when first
+            read (:class:`_Bound`).
         reuse_outputs: whether ``temp_bytes`` counts temporaries stored in
             not-yet-written output buffers (see :mod:`jaxmem.memory.reuse`).
+
+    Properties ``comparisons`` (how the pruning comparisons were decided) and
+    ``temp_bytes_without_reuse`` (``temp_bytes`` if no temporary could use an output
+    buffer before the output is written: a ``Max`` of polynomials, an upper bound of
+    ``temp_bytes``, equal when ``reuse_outputs=False``).
     """
 
     buffers: tuple[Buffer, ...]
@@ -93,14 +98,57 @@ class MemoryModel:
     peak_bytes: sympy.Expr
     points: Sequence[tuple[tuple[sympy.Expr, sympy.Expr], ...]] = dataclasses.field(repr=False)
     candidates: tuple[int, ...]
-    comparisons: tuple[tuple[str, int], ...]
-    temp_bytes_without_reuse: sympy.Expr | None = None
+    counted: tuple[tuple[str, int], ...]
+    upper: sympy.Expr | _Bound | None = dataclasses.field(default=None, repr=False)
     reuse_outputs: bool = False
 
     @functools.cached_property
     def timeline(self) -> tuple[sympy.Expr, ...]:
         """Temporary bytes live at each order position, as sympy expressions."""
         return tuple(_to_expr(dict(p)) for p in self.points)
+
+    @functools.cached_property
+    def temp_bytes_without_reuse(self) -> sympy.Expr | None:
+        """``temp_bytes`` if no temporary could use an output buffer (see the class)."""
+        return self._bound[0]
+
+    @functools.cached_property
+    def comparisons(self) -> tuple[tuple[str, int], ...]:
+        """How the pruning comparisons were decided (those of the bound included)."""
+        return self._bound[1]
+
+    @functools.cached_property
+    def _bound(self) -> tuple[sympy.Expr | None, tuple[tuple[str, int], ...]]:
+        if not isinstance(self.upper, _Bound):
+            return self.upper, self.counted
+        tally = collections.Counter(dict(self.counted))
+        upper, _ = self.upper.derive(tally)
+        return upper, tuple(sorted(tally.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bound:
+    """What the reuse-free bound of a model with output reuse is derived from, when first
+    asked for: its peak does not depend on it, and a plan search builds a model per
+    candidate plan (the bound's frontier and ``Max`` were an eighth of a 22-layer step's
+    plan derivation, for figures only a stored plan or a test reads).
+
+    Attributes:
+        points: the model's live bytes per order position.
+        dom: the shape domain.
+        symbolic: False for the sampling-only ablation.
+    """
+
+    points: Sequence[tuple[tuple[sympy.Expr, sympy.Expr], ...]] | list[LinExpr]
+    dom: ShapeDomain
+    symbolic: bool
+
+    def derive(self, tally: collections.Counter[str]) -> tuple[sympy.Expr, list[int]]:
+        """The ``Max`` over the points that can be the maximum somewhere, and those points;
+        the comparisons made are counted in ``tally``."""
+        points = self.points
+        candidates = _frontier(points, self.dom, tally, self.symbolic)  # type: ignore[arg-type]
+        return _max([_to_expr(dict(points[p])) for p in candidates]), candidates
 
 
 def _lin(e: sympy.Expr) -> LinExpr:
@@ -205,11 +253,13 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
     # The integer-matrix sweep where it applies (every case measured), else dictionaries.
     table = live_table(buffers, extra, n)
     points = _live_points(buffers, extra, n) if table is None else table
-    candidates = _frontier(points, dom, tally, symbolic)
-    temp = _max([_to_expr(dict(points[p])) for p in candidates])
-    upper = temp
+    bound = _Bound(points, dom, symbolic)
+    upper: sympy.Expr | _Bound = bound
     aliased = _aliased_outputs(graph, donated)
-    if reuse_outputs:
+    if not reuse_outputs:
+        temp, candidates = bound.derive(tally)
+        upper = temp
+    else:
         temps = [(b.nbytes, b.start, b.end) for b in buffers if b.kind == "temp"]
         outs_free = [(b.nbytes, b.start) for b in buffers
                      if b.kind == "output" and b.value not in aliased and b.start >= 0]
