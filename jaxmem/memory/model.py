@@ -45,18 +45,12 @@ import sympy
 
 from jaxmem.graph import Graph
 from jaxmem.memory.assign import assignment_peak
-from jaxmem.memory.frontier import (
-    distinct,
-    row_sign,
-    sample_values,
-    undominated,
-    undominated_table,
-)
+from jaxmem.memory.frontier import candidate_points, max_expr, to_expr
 from jaxmem.memory.fusion import materialised, used_nodes
 from jaxmem.memory.liveness import Buffer, liveness
-from jaxmem.memory.points import PointTable, distinct_rows, live_table
+from jaxmem.memory.points import live_table
 from jaxmem.memory.schedule import xla_order
-from jaxmem.symbolic import Cmp, Comparison, ShapeDomain, compare, signs_differ, sym
+from jaxmem.symbolic import ShapeDomain, sym
 
 POINTER_BYTES = 8  # one entry of a tuple's table of buffer pointers (64-bit hosts)
 
@@ -147,8 +141,8 @@ class _Bound:
         """The ``Max`` over the points that can be the maximum somewhere, and those points;
         the comparisons made are counted in ``tally``."""
         points = self.points
-        candidates = _frontier(points, self.dom, tally, self.symbolic)  # type: ignore[arg-type]
-        return _max([_to_expr(dict(points[p])) for p in candidates]), candidates
+        candidates = candidate_points(points, self.dom, tally, self.symbolic)  # type: ignore[arg-type]
+        return max_expr([_to_expr(dict(points[p])) for p in candidates]), candidates
 
 
 def _lin(e: sympy.Expr) -> LinExpr:
@@ -164,8 +158,7 @@ def _lin_cached(e: sympy.Expr) -> tuple[tuple[sympy.Expr, sympy.Expr], ...]:
     return tuple(out.items())
 
 
-def _to_expr(d: LinExpr) -> sympy.Expr:
-    return sympy.Add(*[c * m for m, c in d.items() if c != 0])
+_to_expr = to_expr  # a point's terms as one expression
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,64 +353,3 @@ def _aliased_outputs(graph: Graph, donated: Sequence[int]) -> set[int]:
             free[(v.shape, v.dtype)] -= 1
             out.add(vid)
     return out
-
-
-#: Sympy comparisons per model for the points dominance leaves. A point kept unpruned
-#: only lengthens the ``Max`` (its value is the same), and on a 22-layer step each
-#: comparison costs about 12 ms: 96 made plan derivation 12.8 s, 24 makes it 8.7 s.
-_COMPARE_BUDGET = 24
-
-
-def _max(exprs: list[sympy.Expr]) -> sympy.Expr:
-    """``Max`` without sympy's pairwise simplification (quadratic and slow on long sums)."""
-    if not exprs:
-        return sympy.Integer(0)
-    if len(exprs) == 1:
-        return exprs[0]
-    return sympy.Max(*exprs, evaluate=False)
-
-
-def _frontier(points: list[LinExpr] | PointTable, dom: ShapeDomain,
-              tally: collections.Counter[str], symbolic: bool) -> list[int]:
-    """Positions whose live bytes may be the maximum somewhere in the domain."""
-    if isinstance(points, PointTable):
-        keep = (undominated_table(points, tally) if symbolic
-                else distinct_rows(points.matrix))
-        points = {p: dict(points[p]) for p in keep}  # type: ignore[assignment]
-    else:
-        keep = undominated(points, tally) if symbolic else distinct(points)
-    # What dominance cannot settle goes to the comparison oracle, within a budget of
-    # calls: a point kept unpruned only makes the Max longer, never wrong.
-    survivors: list[int] = []
-    budget = _COMPARE_BUDGET
-    values = sample_values(points, keep, dom)
-    exponents: dict = {}  # monomial -> exponent tuple, for row_sign
-    for p in keep:
-        expr = None  # built only for compare
-        dominated = False
-        for q in list(survivors):
-            if budget <= 0:
-                break
-            budget -= 1
-            if signs_differ(values[p], values[q]):
-                # Above at one sample point and below at another: neither can prune the
-                # other, as compare would find after seconds of factoring (an exact
-                # witness, decided at the sample points).
-                tally["fallback"] += 1
-                continue
-            # compare's answer where the integer proof settles it, without sympy.
-            sign = row_sign(points[p], points[q], dom, exponents) if symbolic else None
-            if sign:
-                c = Comparison(Cmp.GT if sign > 0 else Cmp.LT, None, "symbolic")
-            else:
-                expr = _to_expr(points[p]) if expr is None else expr
-                c = compare(expr, _to_expr(points[q]), dom, symbolic=symbolic)
-            tally[c.decided_by] += 1
-            if c.result in (Cmp.LT, Cmp.LE, Cmp.EQ):
-                dominated = True
-                break
-            if c.result in (Cmp.GT, Cmp.GE):
-                survivors.remove(q)
-        if not dominated:
-            survivors.append(p)
-    return sorted(survivors)

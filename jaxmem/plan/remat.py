@@ -184,7 +184,8 @@ def chain_memo(graph: Graph) -> ChainMemo:
 def apply_remat(graph: Graph, recompute: Iterable[Residual],
                 offload: Iterable[Residual] = (),
                 residuals: Sequence[Residual] | None = None,
-                keep: Collection[int] = (), long_chains: bool = False) -> Graph:
+                keep: Collection[int] = (), long_chains: bool = False,
+                chains: Sequence[tuple[Residual, Chain]] | None = None) -> Graph:
     """Rewrites ``graph`` so that the given residuals are recomputed or offloaded, not kept.
 
     Args:
@@ -195,11 +196,14 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual],
         residuals: :func:`find_residuals` of ``graph``, when the caller has it.
         keep: values saved as recomputation sources (a segment plan's cuts).
         long_chains: recompute residuals whose chains re-run many operations.
+        chains: ``recompute_chains(graph, recompute, residuals, keep, long_chains)``,
+            when the caller has it (a segment level weighs its chains first).
 
     Returns:
         The rewritten graph, nodes in execution order.
     """
-    chains = recompute_chains(graph, recompute, residuals, keep, long_chains)
+    chains = (recompute_chains(graph, recompute, residuals, keep, long_chains)
+              if chains is None else list(chains))
     moved = offload_chains(graph, offload, residuals)
     if not chains and not moved:
         return graph

@@ -139,7 +139,7 @@ def _level(graph: Graph, dom: ShapeDomain, segs: Segments, plan: SegmentPlan,
     chains = recompute_chains(graph, chosen, residuals, keep, True)
     if not chains:
         return None
-    g2 = apply_remat(graph, chosen, (), residuals, keep, True)
+    g2 = apply_remat(graph, chosen, (), residuals, keep, True, chains)
     # With output reuse, as XLA places temporaries (:mod:`jaxmem.memory.assign`): on the
     # plain-JAX GPT and linen 4x256 at (4, 256) the segment levels come within +2..+8 %
     # of XLA (+17 % for one keeping three roles), where without it they were +10..+34 %.
