@@ -34,7 +34,13 @@ import sympy
 from jaxmem.graph import Graph, Node, Value, replaced
 from jaxmem.memory import materialised
 from jaxmem.plan.offload import transfer_eqn
-from jaxmem.plan.residuals import HEAVY_KINDS, Residual, find_residuals, recompute_chain
+from jaxmem.plan.residuals import (
+    HEAVY_KINDS,
+    Residual,
+    find_residuals,
+    recompute_chain,
+    recompute_chains_from,
+)
 
 Chain = tuple[int, ...]  # indices of the forward nodes one residual's rewrite re-runs
 
@@ -67,10 +73,13 @@ def recompute_chains(graph: Graph, recompute: Iterable[Residual],
     out = []
     # A chain that is not cheap is dropped: the walk may stop as soon as it is not.
     bound = None if long_chains else _MAX_HEAVY
-    for r in chosen.values():
-        if only is not None and r.value not in only:
-            continue
-        chains = [memo.chain(graph, v, kept, bound, r.producer) for v in (r.value, *r.aliases)]
+    wanted = [r for r in chosen.values() if only is None or r.value in only]
+    # Unbounded walks (a segment plan's) share most of their nodes: one walk for all.
+    walks = (recompute_chains_from(graph, [v for r in wanted for v in (r.value, *r.aliases)],
+                                   kept) if bound is None else {})
+    for r in wanted:
+        chains = [walks[v] if bound is None else memo.chain(graph, v, kept, bound, r.producer)
+                  for v in (r.value, *r.aliases)]
         if all(c is not None for c in chains):
             chain = tuple(sorted({i for c in chains for i in c}))  # type: ignore[union-attr]
             if long_chains or _cheap(graph, chain, r):
