@@ -137,6 +137,14 @@ class ChainMemo:
                          list[tuple[Chain, frozenset[int], frozenset[int]]]] = {}
         self._owner: dict[int, int] | None = None
         self._last_read: dict[int, int] | None = None
+        self._backward: list[bool] | None = None
+
+    def backward(self, graph: Graph) -> list[bool]:
+        """``node.is_backward`` per node, computed once per graph (each rewrite of a
+        22-layer step asked it three times per node). Read only."""
+        if self._backward is None:
+            self._backward = [n.is_backward for n in graph.nodes]
+        return self._backward
 
     def owner(self, graph: Graph) -> dict[int, int]:
         """``materialised(graph)``, computed once: every candidate plan rewrites the same
@@ -224,12 +232,14 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual],
     for r in off.values():
         offloaded_after.setdefault(r.producer, []).append(r.value)
     rw = _Rewrite(graph, off)
+    backward = chain_memo(graph).backward(graph)
     for node in graph.nodes:
         block = by_first.get(node.index)
         if block:
             rw.rebuild_block(node, block)
-        rw.copy_node(node)
-        rw.track_live(node)
+        back = backward[node.index]
+        rw.copy_node(node, back)
+        rw.track_live(node, back)
         for v in offloaded_after.get(node.index, ()):
             rw.host[v] = rw.transfer(v, v, True, node.scope + "/offload")
         if node.outputs:
@@ -260,14 +270,14 @@ class _Rewrite:
         # broadcast cotangent) through a barrier would materialise it.
         self.owner = memo.owner(graph)
 
-    def track_live(self, node: Node) -> None:
-        """Updates :attr:`live` once ``node`` has run."""
+    def track_live(self, node: Node, backward: bool) -> None:
+        """Updates :attr:`live` once ``node`` (``backward``: of the backward pass) has run."""
         live, last_read = self.live, self.last_read
         if live:  # empty through the forward pass: nothing to drop
             for v in node.inputs:
                 if last_read.get(v) == node.index:
                     live.pop(v, None)
-        if node.is_backward:
+        if backward:
             self.live.update((v, None) for v in node.outputs
                              if self.last_read.get(v, -1) > node.index
                              and self.owner.get(v) == v)
@@ -299,18 +309,19 @@ class _Rewrite:
                                eqn=transfer_eqn(to_host), operands=(src,)))
         return out
 
-    def copy_node(self, node: Node) -> None:
-        """Emits an original node; a backward one reads the clones made so far."""
-        if len(self.nodes) == node.index and not node.is_backward:
-            self.nodes.append(node)  # what emit does with it, without building its tuples
+    def copy_node(self, node: Node, backward: bool) -> None:
+        """Emits an original node (``backward``: of the backward pass, reading the clones
+        made so far)."""
+        if not backward:
+            # What emit does with it, without building and comparing its tuples: the node
+            # itself before any block, else the node at its new position.
+            index = len(self.nodes)
+            self.nodes.append(node if index == node.index else replaced(node, index=index))
             return
-        if node.is_backward:
-            rename = self.rename
-            ins = [rename.get(v, v) for v in node.inputs]
-            ops = [None if o is None else rename.get(o, o) for o in node.operands]
-            self.emit(node, ins, ops, node.outputs)
-        else:
-            self.emit(node, node.inputs, node.operands, node.outputs)
+        rename = self.rename
+        ins = [rename.get(v, v) for v in node.inputs]
+        ops = [None if o is None else rename.get(o, o) for o in node.operands]
+        self.emit(node, ins, ops, node.outputs)
 
     def rebuild_block(self, node: Node, block: list[tuple[Residual, Chain]]) -> None:
         """Brings back, just before ``node``, the residuals whose first use it is."""
