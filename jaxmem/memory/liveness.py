@@ -82,10 +82,9 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     widened = buffer_sizes(graph, owner, backend)
     size = lambda v: widened.get(v, graph.values[v].nbytes)  # noqa: E731
     srcs = _buffer_sources(graph, owner)
-    first_def, last_use, reads = _definitions_and_uses(graph, order, owner, srcs, used)
+    first_def, last_use = _definitions_and_uses(graph, order, owner, srcs, used)
     outputs = _output_buffers(graph, order, owner, first_def)
-    reuse_end, in_output = _shared_buffers(graph, order, owner, reads, srcs, last_use, outputs,
-                                           size)
+    reuse_end, in_output = _shared_buffers(graph, order, owner, srcs, last_use, outputs, size)
     buffers = _value_buffers(graph, len(order), owner, outputs, first_def, last_use,
                              reuse_end, in_output, size)
     for x in (*transposed_copies(graph, order, owner, size),
@@ -117,41 +116,27 @@ def _buffer_sources(graph: Graph, owner: dict[int, int]) -> Callable[[int], froz
 
 def _definitions_and_uses(graph: Graph, order: Sequence[int], owner: dict[int, int],
                           srcs: Callable[[int], frozenset[int]], used: Sequence[bool]
-                          ) -> tuple[dict[int, int], dict[int, int], dict[int, tuple[int, ...]]]:
+                          ) -> tuple[dict[int, int], dict[int, int]]:
     """Where XLA allocates each buffer (its first writer) and frees it (after its last
-    reader); dead code neither writes nor reads.
-
-    Also returns the buffers each elementwise or in-place node reads, in operand order
-    (:func:`_shared_buffers` needs them: found here, they are found once).
-    """
+    reader); dead code neither writes nor reads."""
     last_use: dict[int, int] = {}
     first_def: dict[int, int] = {}
-    reads: dict[int, tuple[int, ...]] = {}
     nodes = graph.nodes
-    get = owner.get
     for p, ni in enumerate(order):
         n = nodes[ni]
         if not used[ni]:
             continue  # dead code: XLA removes it
-        if n.kind in ("elementwise", "inplace"):
-            # A buffer of its own (or a view of one) is read in place, a fused value from
-            # its sources' buffers.
-            ops = tuple(dict.fromkeys(s for i in n.inputs for s in srcs(i)))
-            reads[ni] = ops
-            for s in ops:
-                last_use[s] = p  # positions only grow: the latest reader is the last
-        else:
-            for i in n.inputs:
-                o = get(i, i)
-                if o != -1:
-                    last_use[o] = p
-                    continue
-                for s in srcs(i):
-                    last_use[s] = p
+        for i in n.inputs:
+            o = owner.get(i, i)
+            if o != -1:  # a buffer of its own (or a view of one): read in place
+                last_use[o] = p  # positions only grow: the latest reader is the last
+                continue
+            for s in srcs(i):
+                last_use[s] = p
         for o in n.outputs:
-            if o not in first_def and get(o) == o:
+            if o not in first_def and owner.get(o) == o:
                 first_def[o] = p
-    return first_def, last_use, reads
+    return first_def, last_use
 
 
 def _output_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
@@ -170,9 +155,9 @@ def _output_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
 
 
 def _shared_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
-                    reads: dict[int, tuple[int, ...]], srcs: Callable[[int], frozenset[int]],
-                    last_use: dict[int, int], outputs: set[int],
-                    size: Callable[[int], sympy.Expr]) -> tuple[dict[int, int], set[int]]:
+                    srcs: Callable[[int], frozenset[int]], last_use: dict[int, int],
+                    outputs: set[int], size: Callable[[int], sympy.Expr]
+                    ) -> tuple[dict[int, int], set[int]]:
     """XLA's buffer sharing: an elementwise or in-place op writes into an operand dying there.
 
     Returns:
@@ -193,8 +178,7 @@ def _shared_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
         for o in n.outputs:
             if owner.get(o) != o or o in reuse_end:
                 continue
-            # (dead code reads nothing: none of its operands dies there)
-            operands = reads.get(order[p], ())
+            operands = list(dict.fromkeys(s for i in n.inputs for s in srcs(i)))
             cands = [i for i in operands
                      if owner.get(i, i) == i and i not in inputs and last_use.get(i) == p
                      and size(i) == size(o)
