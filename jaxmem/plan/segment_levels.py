@@ -94,9 +94,14 @@ def role_sets(graph: Graph, segs: Segments, plan: SegmentPlan, residuals: Sequen
     for r in chosen:
         roles[r.group].append(r)
     names = sorted(roles)
-    # Every layer repeats the same FLOP expressions: sum_at evaluates each once.
-    flops = {n.index: float(sum_at([n.flops], corner)) for n in graph.nodes
-             if not n.is_backward and n.flops != 0}
+    # Every layer repeats the same FLOP expressions: each is evaluated once.
+    at: dict[sympy.Expr, float] = {}
+    flops = {}
+    for n in graph.nodes:
+        if not n.is_backward and n.flops != 0:
+            value = at.get(n.flops)
+            flops[n.index] = at.setdefault(n.flops, float(sum_at([n.flops], corner))) if (
+                value is None) else value
     stays = set(keep) | set(graph.inputs) | {r.value for r in residuals} - {
         r.value for r in chosen}
 
