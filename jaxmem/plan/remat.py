@@ -354,7 +354,8 @@ class _Rewrite:
                         if v in producers and graph.nodes[producers[v]].is_backward),
                        self.last_out)
         sources = [self.rename.get(v, v) for v in leaves] + [self.host[v] for v in reload]
-        live = [v for v in self.live if v not in leaves]
+        sourced = set(leaves)
+        live = [v for v in self.live if v not in sourced]
         pinned = [self.rename.get(v, v) for v in live] or (
             [trigger] if trigger is not None else [])
         barrier_in = sources + pinned
