@@ -100,7 +100,10 @@ def _joins_consumer(graph: Graph, owner: dict[int, int], used: list[bool]) -> li
             out.append(True)  # folded
         else:
             outs = node.outputs
-            out.append(bool(outs) and all(owner.get(o, o) == -1 for o in outs))
+            if len(outs) == 1:  # most nodes: no generator for one output
+                out.append(owner.get(outs[0], outs[0]) == -1)
+            else:
+                out.append(bool(outs) and all(owner.get(o, o) == -1 for o in outs))
     return out
 
 
