@@ -57,7 +57,7 @@ POINTER_BYTES = 8  # one entry of a tuple's table of buffer pointers (64-bit hos
 LinExpr = dict[sympy.Expr, sympy.Expr]  # monomial -> coefficient; all monomials are >= 0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class MemoryModel:
     """Symbolic memory of a graph under one op order.
 
@@ -118,6 +118,21 @@ class MemoryModel:
         tally = collections.Counter(dict(self.counted))
         upper, _ = self.upper.derive(tally)
         return upper, tuple(sorted(tally.items()))
+
+    def _key(self) -> tuple:
+        """What equality compares: every field, the bound and its comparisons as derived
+        (a model read back from a stored plan holds them derived)."""
+        return (self.buffers, self.argument_bytes, self.output_bytes, self.alias_bytes,
+                self.temp_bytes, self.peak_bytes, self.points, self.candidates,
+                self.comparisons, self.temp_bytes_without_reuse, self.reuse_outputs)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._key() == other._key()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 @dataclasses.dataclass(frozen=True)
