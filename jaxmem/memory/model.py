@@ -274,17 +274,24 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
         temps += [(e, p, p) for p, body in bodies.items() for e in body.buffers]
         whole = {p: body.temp for p, body in bodies.items() if not body.buffers}
         temp, candidates = assignment_peak(temps, outs_free, whole, n, dom, tally, symbolic)
-    args = sympy.Add(*[b.nbytes for b in buffers if b.kind == "argument"])
-    outs = sympy.Add(*[b.nbytes for b in buffers if b.kind == "output"])
+    args = _total(tuple(b.nbytes for b in buffers if b.kind == "argument"))
+    outs = _total(tuple(b.nbytes for b in buffers if b.kind == "output"))
     if len(graph.outputs) > 1:
         # Several results are returned as a tuple: XLA's output also holds its table
         # of 8-byte pointers.
         outs += POINTER_BYTES * len(graph.outputs)
-    alias = sympy.Add(*[graph.values[v].nbytes for v in aliased])
+    alias = _total(tuple(graph.values[v].nbytes for v in aliased))
     return MemoryModel(buffers, args, outs, alias, temp, args + outs - alias + temp,
                        tuple(tuple(p.items()) for p in points) if table is None else table,
                        tuple(candidates),
                        tuple(sorted(tally.items())), upper, reuse_outputs)
+
+
+@functools.lru_cache(maxsize=256)
+def _total(terms: tuple[sympy.Expr, ...]) -> sympy.Expr:
+    """``sympy.Add(*terms)``: every candidate plan of a step has the same arguments and
+    outputs, and sympy's sum of hundreds of parameter sizes took milliseconds a model."""
+    return sympy.Add(*terms)
 
 
 def _bodies(graph: Graph, order: Sequence[int], dom: ShapeDomain,
