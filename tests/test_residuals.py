@@ -114,3 +114,20 @@ def test_a_dropout_mask_is_recomputed_from_its_key():
         got = planned.compile_level(k, *args).run(*args)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("drop", [0, 2, 5])
+def test_one_walk_gives_each_values_own_recompute_chain(drop):
+    """``recompute_chains_from`` against ``recompute_chain`` value by value: from the
+    saved set a segment plan walks from, and from smaller ones (some chains then fail)."""
+    from jaxmem.plan.residuals import recompute_chain, recompute_chains_from
+
+    p = gpt_program(LAYERS, 64, 2, 64, 2, 16)
+    graph = build_graph(jax.make_jaxpr(p.step)(*p.symbolic_args()))
+    residuals = find_residuals(graph)
+    values = [v for r in residuals for v in (r.value, *r.aliases)]
+    leaves = {r.value for r in residuals[::3]} | set(graph.inputs) | {v for v, _ in graph.consts}
+    leaves -= set(list(graph.inputs)[:drop])
+    walked = recompute_chains_from(graph, values, leaves)
+    assert walked == {v: recompute_chain(graph, v, leaves) for v in values}
+    assert any(c for c in walked.values()) and (drop == 0 or None in walked.values())

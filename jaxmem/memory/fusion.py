@@ -218,7 +218,7 @@ def _broadcast_operands(graph: Graph, e: Node, region: set[int], owner: dict[int
     """The operands of epilogue op ``e`` of ``dot`` that XLA reads broadcast to ``e``'s
     full shape."""
     producers = graph.producers
-    size = _elements(graph, e.outputs[0])
+    size = None  # e's element count, found when an operand needs it
     out = []
     for x in e.inputs:
         if x in region or (x, e.index) in seen:
@@ -230,6 +230,7 @@ def _broadcast_operands(graph: Graph, e: Node, region: set[int], owner: dict[int
             continue
         src = graph.nodes[p].inputs[0]
         small = _elements(graph, src)
+        size = _elements(graph, e.outputs[0]) if size is None else size
         # Broadcasts of vectors (biases, scales) are read in place. Decided by rank,
         # not by whether the size is symbolic, so that a concrete trace of the same
         # program gets the same buffers as the symbolic one.
@@ -306,8 +307,10 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
     pos = {n: p for p, n in enumerate(order)}
     for p, ni in enumerate(order):
         node = graph.nodes[ni]
+        if node.primitive != "dot_general":
+            continue
         params = dict(node.params)
-        if node.primitive != "dot_general" or "dimension_numbers" not in params:
+        if "dimension_numbers" not in params:
             continue
         if len(node.inputs) != 2:
             continue

@@ -45,25 +45,19 @@ import sympy
 
 from jaxmem.graph import Graph
 from jaxmem.memory.assign import assignment_peak
-from jaxmem.memory.frontier import (
-    distinct,
-    row_sign,
-    sample_values,
-    undominated,
-    undominated_table,
-)
+from jaxmem.memory.frontier import candidate_points, max_expr, to_expr
 from jaxmem.memory.fusion import materialised, used_nodes
 from jaxmem.memory.liveness import Buffer, liveness
-from jaxmem.memory.points import PointTable, distinct_rows, live_table
+from jaxmem.memory.points import live_table
 from jaxmem.memory.schedule import xla_order
-from jaxmem.symbolic import Cmp, Comparison, ShapeDomain, compare, signs_differ, sym
+from jaxmem.symbolic import ShapeDomain, sym
 
 POINTER_BYTES = 8  # one entry of a tuple's table of buffer pointers (64-bit hosts)
 
 LinExpr = dict[sympy.Expr, sympy.Expr]  # monomial -> coefficient; all monomials are >= 0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class MemoryModel:
     """Symbolic memory of a graph under one op order.
 
@@ -77,12 +71,17 @@ class MemoryModel:
         points: temporary bytes live at each order position (monomial, coefficient pairs);
             ``timeline`` has them as sympy expressions.
         candidates: order positions whose live set can be the maximum somewhere.
-        comparisons: how the pruning comparisons were decided.
-        temp_bytes_without_reuse: ``temp_bytes`` if no temporary could use an
-            output buffer before the output is written: a ``Max`` of polynomials,
-            an upper bound of ``temp_bytes`` (equal when ``reuse_outputs=False``).
+        counted: the comparisons counted when the model was built; ``comparisons``
+            (a property) adds those of the reuse-free bound.
+        upper: ``temp_bytes_without_reuse``, or what it is derived from when first
+            read (:class:`_Bound`).
         reuse_outputs: whether ``temp_bytes`` counts temporaries stored in
             not-yet-written output buffers (see :mod:`jaxmem.memory.reuse`).
+
+    Properties ``comparisons`` (how the pruning comparisons were decided) and
+    ``temp_bytes_without_reuse`` (``temp_bytes`` if no temporary could use an output
+    buffer before the output is written: a ``Max`` of polynomials, an upper bound of
+    ``temp_bytes``, equal when ``reuse_outputs=False``).
     """
 
     buffers: tuple[Buffer, ...]
@@ -93,14 +92,72 @@ class MemoryModel:
     peak_bytes: sympy.Expr
     points: Sequence[tuple[tuple[sympy.Expr, sympy.Expr], ...]] = dataclasses.field(repr=False)
     candidates: tuple[int, ...]
-    comparisons: tuple[tuple[str, int], ...]
-    temp_bytes_without_reuse: sympy.Expr | None = None
+    counted: tuple[tuple[str, int], ...]
+    upper: sympy.Expr | _Bound | None = dataclasses.field(default=None, repr=False)
     reuse_outputs: bool = False
 
     @functools.cached_property
     def timeline(self) -> tuple[sympy.Expr, ...]:
         """Temporary bytes live at each order position, as sympy expressions."""
         return tuple(_to_expr(dict(p)) for p in self.points)
+
+    @functools.cached_property
+    def temp_bytes_without_reuse(self) -> sympy.Expr | None:
+        """``temp_bytes`` if no temporary could use an output buffer (see the class)."""
+        return self._bound[0]
+
+    @functools.cached_property
+    def comparisons(self) -> tuple[tuple[str, int], ...]:
+        """How the pruning comparisons were decided (those of the bound included)."""
+        return self._bound[1]
+
+    @functools.cached_property
+    def _bound(self) -> tuple[sympy.Expr | None, tuple[tuple[str, int], ...]]:
+        if not isinstance(self.upper, _Bound):
+            return self.upper, self.counted
+        tally = collections.Counter(dict(self.counted))
+        upper, _ = self.upper.derive(tally)
+        return upper, tuple(sorted(tally.items()))
+
+    def _key(self) -> tuple:
+        """What equality compares: every field, the bound and its comparisons as derived
+        (a model read back from a stored plan holds them derived)."""
+        return (self.buffers, self.argument_bytes, self.output_bytes, self.alias_bytes,
+                self.temp_bytes, self.peak_bytes, self.points, self.candidates,
+                self.comparisons, self.temp_bytes_without_reuse, self.reuse_outputs)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._key() == other._key()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bound:
+    """What the reuse-free bound of a model with output reuse is derived from, when first
+    asked for: its peak does not depend on it, and a plan search builds a model per
+    candidate plan (the bound's frontier and ``Max`` were an eighth of a 22-layer step's
+    plan derivation, for figures only a stored plan or a test reads).
+
+    Attributes:
+        points: the model's live bytes per order position.
+        dom: the shape domain.
+        symbolic: False for the sampling-only ablation.
+    """
+
+    points: Sequence[tuple[tuple[sympy.Expr, sympy.Expr], ...]] | list[LinExpr]
+    dom: ShapeDomain
+    symbolic: bool
+
+    def derive(self, tally: collections.Counter[str]) -> tuple[sympy.Expr, list[int]]:
+        """The ``Max`` over the points that can be the maximum somewhere, and those points;
+        the comparisons made are counted in ``tally``."""
+        points = self.points
+        candidates = candidate_points(points, self.dom, tally, self.symbolic)  # type: ignore[arg-type]
+        return max_expr([_to_expr(dict(points[p])) for p in candidates]), candidates
 
 
 def _lin(e: sympy.Expr) -> LinExpr:
@@ -116,8 +173,7 @@ def _lin_cached(e: sympy.Expr) -> tuple[tuple[sympy.Expr, sympy.Expr], ...]:
     return tuple(out.items())
 
 
-def _to_expr(d: LinExpr) -> sympy.Expr:
-    return sympy.Add(*[c * m for m, c in d.items() if c != 0])
+_to_expr = to_expr  # a point's terms as one expression
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,28 +261,37 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
     # The integer-matrix sweep where it applies (every case measured), else dictionaries.
     table = live_table(buffers, extra, n)
     points = _live_points(buffers, extra, n) if table is None else table
-    candidates = _frontier(points, dom, tally, symbolic)
-    temp = _max([_to_expr(dict(points[p])) for p in candidates])
-    upper = temp
+    bound = _Bound(points, dom, symbolic)
+    upper: sympy.Expr | _Bound = bound
     aliased = _aliased_outputs(graph, donated)
-    if reuse_outputs:
+    if not reuse_outputs:
+        temp, candidates = bound.derive(tally)
+        upper = temp
+    else:
         temps = [(b.nbytes, b.start, b.end) for b in buffers if b.kind == "temp"]
         outs_free = [(b.nbytes, b.start) for b in buffers
                      if b.kind == "output" and b.value not in aliased and b.start >= 0]
         temps += [(e, p, p) for p, body in bodies.items() for e in body.buffers]
         whole = {p: body.temp for p, body in bodies.items() if not body.buffers}
         temp, candidates = assignment_peak(temps, outs_free, whole, n, dom, tally, symbolic)
-    args = sympy.Add(*[b.nbytes for b in buffers if b.kind == "argument"])
-    outs = sympy.Add(*[b.nbytes for b in buffers if b.kind == "output"])
+    args = _total(tuple(b.nbytes for b in buffers if b.kind == "argument"))
+    outs = _total(tuple(b.nbytes for b in buffers if b.kind == "output"))
     if len(graph.outputs) > 1:
         # Several results are returned as a tuple: XLA's output also holds its table
         # of 8-byte pointers.
         outs += POINTER_BYTES * len(graph.outputs)
-    alias = sympy.Add(*[graph.values[v].nbytes for v in aliased])
+    alias = _total(tuple(graph.values[v].nbytes for v in aliased))
     return MemoryModel(buffers, args, outs, alias, temp, args + outs - alias + temp,
                        tuple(tuple(p.items()) for p in points) if table is None else table,
                        tuple(candidates),
                        tuple(sorted(tally.items())), upper, reuse_outputs)
+
+
+@functools.lru_cache(maxsize=256)
+def _total(terms: tuple[sympy.Expr, ...]) -> sympy.Expr:
+    """``sympy.Add(*terms)``: every candidate plan of a step has the same arguments and
+    outputs, and sympy's sum of hundreds of parameter sizes took milliseconds a model."""
+    return sympy.Add(*terms)
 
 
 def _bodies(graph: Graph, order: Sequence[int], dom: ShapeDomain,
@@ -310,64 +375,3 @@ def _aliased_outputs(graph: Graph, donated: Sequence[int]) -> set[int]:
             free[(v.shape, v.dtype)] -= 1
             out.add(vid)
     return out
-
-
-#: Sympy comparisons per model for the points dominance leaves. A point kept unpruned
-#: only lengthens the ``Max`` (its value is the same), and on a 22-layer step each
-#: comparison costs about 12 ms: 96 made plan derivation 12.8 s, 24 makes it 8.7 s.
-_COMPARE_BUDGET = 24
-
-
-def _max(exprs: list[sympy.Expr]) -> sympy.Expr:
-    """``Max`` without sympy's pairwise simplification (quadratic and slow on long sums)."""
-    if not exprs:
-        return sympy.Integer(0)
-    if len(exprs) == 1:
-        return exprs[0]
-    return sympy.Max(*exprs, evaluate=False)
-
-
-def _frontier(points: list[LinExpr] | PointTable, dom: ShapeDomain,
-              tally: collections.Counter[str], symbolic: bool) -> list[int]:
-    """Positions whose live bytes may be the maximum somewhere in the domain."""
-    if isinstance(points, PointTable):
-        keep = (undominated_table(points, tally) if symbolic
-                else distinct_rows(points.matrix))
-        points = {p: dict(points[p]) for p in keep}  # type: ignore[assignment]
-    else:
-        keep = undominated(points, tally) if symbolic else distinct(points)
-    # What dominance cannot settle goes to the comparison oracle, within a budget of
-    # calls: a point kept unpruned only makes the Max longer, never wrong.
-    survivors: list[int] = []
-    budget = _COMPARE_BUDGET
-    values = sample_values(points, keep, dom)
-    exponents: dict = {}  # monomial -> exponent tuple, for row_sign
-    for p in keep:
-        expr = None  # built only for compare
-        dominated = False
-        for q in list(survivors):
-            if budget <= 0:
-                break
-            budget -= 1
-            if signs_differ(values[p], values[q]):
-                # Above at one sample point and below at another: neither can prune the
-                # other, as compare would find after seconds of factoring (an exact
-                # witness, decided at the sample points).
-                tally["fallback"] += 1
-                continue
-            # compare's answer where the integer proof settles it, without sympy.
-            sign = row_sign(points[p], points[q], dom, exponents) if symbolic else None
-            if sign:
-                c = Comparison(Cmp.GT if sign > 0 else Cmp.LT, None, "symbolic")
-            else:
-                expr = _to_expr(points[p]) if expr is None else expr
-                c = compare(expr, _to_expr(points[q]), dom, symbolic=symbolic)
-            tally[c.decided_by] += 1
-            if c.result in (Cmp.LT, Cmp.LE, Cmp.EQ):
-                dominated = True
-                break
-            if c.result in (Cmp.GT, Cmp.GE):
-                survivors.remove(q)
-        if not dominated:
-            survivors.append(p)
-    return sorted(survivors)

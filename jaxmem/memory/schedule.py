@@ -57,7 +57,7 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
     owner = materialised(graph) if owner is None else owner
     used = used_nodes(graph) if used is None else used
     fused = _joins_consumer(graph, owner, used)
-    preds, reads_fused = _instruction_operands(graph, fused)
+    preds, fused_in = _instruction_operands(graph, fused)
     users: dict[int, list[int]] = collections.defaultdict(list)
     for i, ps in enumerate(preds):
         for p in ps:
@@ -72,8 +72,8 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
     while queue:
         i = queue.popleft()
         if not placed[i]:
-            if reads_fused[i]:
-                _place(graph, i, fused, placed, order)
+            if fused_in[i]:
+                _place(i, fused_in, placed, order)
             else:  # what _place does for it: nothing fused to run first
                 placed[i] = True
                 order.append(i)
@@ -83,7 +83,7 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
                 queue.append(u)
     for i in range(n):  # the dead code
         if not placed[i]:
-            _place(graph, i, fused, placed, order)
+            _place(i, fused_in, placed, order)
     return order
 
 
@@ -100,14 +100,18 @@ def _joins_consumer(graph: Graph, owner: dict[int, int], used: list[bool]) -> li
             out.append(True)  # folded
         else:
             outs = node.outputs
-            out.append(bool(outs) and all(owner.get(o, o) == -1 for o in outs))
+            if len(outs) == 1:  # most nodes: no generator for one output
+                out.append(owner.get(outs[0], outs[0]) == -1)
+            else:
+                out.append(bool(outs) and all(owner.get(o, o) == -1 for o in outs))
     return out
 
 
 def _instruction_operands(graph: Graph, fused: list[bool]
-                          ) -> tuple[list[tuple[int, ...]], list[bool]]:
+                          ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
     """Per node, the non-fused nodes it waits for (through the fused values it reads), and
-    whether it reads a fused value at all.
+    the fused nodes whose values it reads (once per operand, in operand order: what
+    :func:`_place` walks, without looking at the other operands of a wide barrier).
 
     One pass in program order (topological, as :func:`_joins_consumer` and
     :func:`~jaxmem.memory.fusion.used_nodes` also require): a fused node's sources are
@@ -118,32 +122,36 @@ def _instruction_operands(graph: Graph, fused: list[bool]
     get = producers.get
     through: dict[int, set[int]] = {}  # fused node -> the non-fused nodes it reads through
     out: list[tuple[int, ...]] = []
-    reads_fused = [False] * len(fused)
+    fused_in: list[tuple[int, ...]] = []
     for i, node in enumerate(graph.nodes):
         srcs: set[int] = set()
+        reads: list[int] = []
         for v in node.inputs:
             p = get(v)
             if p is None:
                 continue
             if fused[p]:
                 srcs.update(through[p])
-                reads_fused[i] = True
+                reads.append(p)
             else:
                 srcs.add(p)
+        fused_in.append(tuple(reads))
         if fused[i]:
             through[i] = srcs
             out.append(())
         else:
-            out.append(tuple(sorted(srcs)))
-    return out, reads_fused
+            # Unsorted: xla_order reads only their count, and appends each node to its
+            # operands' user lists in node order whatever the order here.
+            out.append(tuple(srcs))
+    return out, fused_in
 
 
-def _place(graph: Graph, i: int, fused: list[bool], placed: list[bool],
+def _place(i: int, fused_in: list[tuple[int, ...]], placed: list[bool],
            order: list[int]) -> None:
-    """Appends node ``i`` after the fused nodes it reads that are not placed yet."""
+    """Appends node ``i`` after the fused nodes it reads (``fused_in``, per node) that are
+    not placed yet."""
     if placed[i]:
         return
-    producers, nodes = graph.producers, graph.nodes
     stack = [(i, False)]
     while stack:
         j, ready = stack.pop()
@@ -154,7 +162,6 @@ def _place(graph: Graph, i: int, fused: list[bool], placed: list[bool],
             order.append(j)
             continue
         stack.append((j, True))
-        for v in reversed(nodes[j].inputs):
-            p = producers.get(v)
-            if p is not None and fused[p] and not placed[p]:
+        for p in reversed(fused_in[j]):
+            if not placed[p]:
                 stack.append((p, False))

@@ -34,7 +34,13 @@ import sympy
 from jaxmem.graph import Graph, Node, Value, replaced
 from jaxmem.memory import materialised
 from jaxmem.plan.offload import transfer_eqn
-from jaxmem.plan.residuals import HEAVY_KINDS, Residual, find_residuals, recompute_chain
+from jaxmem.plan.residuals import (
+    HEAVY_KINDS,
+    Residual,
+    find_residuals,
+    recompute_chain,
+    recompute_chains_from,
+)
 
 Chain = tuple[int, ...]  # indices of the forward nodes one residual's rewrite re-runs
 
@@ -67,10 +73,13 @@ def recompute_chains(graph: Graph, recompute: Iterable[Residual],
     out = []
     # A chain that is not cheap is dropped: the walk may stop as soon as it is not.
     bound = None if long_chains else _MAX_HEAVY
-    for r in chosen.values():
-        if only is not None and r.value not in only:
-            continue
-        chains = [memo.chain(graph, v, kept, bound, r.producer) for v in (r.value, *r.aliases)]
+    wanted = [r for r in chosen.values() if only is None or r.value in only]
+    # Unbounded walks (a segment plan's) share most of their nodes: one walk for all.
+    walks = (recompute_chains_from(graph, [v for r in wanted for v in (r.value, *r.aliases)],
+                                   kept) if bound is None else {})
+    for r in wanted:
+        chains = [walks[v] if bound is None else memo.chain(graph, v, kept, bound, r.producer)
+                  for v in (r.value, *r.aliases)]
         if all(c is not None for c in chains):
             chain = tuple(sorted({i for c in chains for i in c}))  # type: ignore[union-attr]
             if long_chains or _cheap(graph, chain, r):
@@ -128,6 +137,14 @@ class ChainMemo:
                          list[tuple[Chain, frozenset[int], frozenset[int]]]] = {}
         self._owner: dict[int, int] | None = None
         self._last_read: dict[int, int] | None = None
+        self._backward: list[bool] | None = None
+
+    def backward(self, graph: Graph) -> list[bool]:
+        """``node.is_backward`` per node, computed once per graph (each rewrite of a
+        22-layer step asked it three times per node). Read only."""
+        if self._backward is None:
+            self._backward = [n.is_backward for n in graph.nodes]
+        return self._backward
 
     def owner(self, graph: Graph) -> dict[int, int]:
         """``materialised(graph)``, computed once: every candidate plan rewrites the same
@@ -184,7 +201,8 @@ def chain_memo(graph: Graph) -> ChainMemo:
 def apply_remat(graph: Graph, recompute: Iterable[Residual],
                 offload: Iterable[Residual] = (),
                 residuals: Sequence[Residual] | None = None,
-                keep: Collection[int] = (), long_chains: bool = False) -> Graph:
+                keep: Collection[int] = (), long_chains: bool = False,
+                chains: Sequence[tuple[Residual, Chain]] | None = None) -> Graph:
     """Rewrites ``graph`` so that the given residuals are recomputed or offloaded, not kept.
 
     Args:
@@ -195,11 +213,14 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual],
         residuals: :func:`find_residuals` of ``graph``, when the caller has it.
         keep: values saved as recomputation sources (a segment plan's cuts).
         long_chains: recompute residuals whose chains re-run many operations.
+        chains: ``recompute_chains(graph, recompute, residuals, keep, long_chains)``,
+            when the caller has it (a segment level weighs its chains first).
 
     Returns:
         The rewritten graph, nodes in execution order.
     """
-    chains = recompute_chains(graph, recompute, residuals, keep, long_chains)
+    chains = (recompute_chains(graph, recompute, residuals, keep, long_chains)
+              if chains is None else list(chains))
     moved = offload_chains(graph, offload, residuals)
     if not chains and not moved:
         return graph
@@ -211,12 +232,14 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual],
     for r in off.values():
         offloaded_after.setdefault(r.producer, []).append(r.value)
     rw = _Rewrite(graph, off)
+    backward = chain_memo(graph).backward(graph)
     for node in graph.nodes:
         block = by_first.get(node.index)
         if block:
             rw.rebuild_block(node, block)
-        rw.copy_node(node)
-        rw.track_live(node)
+        back = backward[node.index]
+        rw.copy_node(node, back)
+        rw.track_live(node, back)
         for v in offloaded_after.get(node.index, ()):
             rw.host[v] = rw.transfer(v, v, True, node.scope + "/offload")
         if node.outputs:
@@ -247,14 +270,14 @@ class _Rewrite:
         # broadcast cotangent) through a barrier would materialise it.
         self.owner = memo.owner(graph)
 
-    def track_live(self, node: Node) -> None:
-        """Updates :attr:`live` once ``node`` has run."""
+    def track_live(self, node: Node, backward: bool) -> None:
+        """Updates :attr:`live` once ``node`` (``backward``: of the backward pass) has run."""
         live, last_read = self.live, self.last_read
         if live:  # empty through the forward pass: nothing to drop
             for v in node.inputs:
                 if last_read.get(v) == node.index:
                     live.pop(v, None)
-        if node.is_backward:
+        if backward:
             self.live.update((v, None) for v in node.outputs
                              if self.last_read.get(v, -1) > node.index
                              and self.owner.get(v) == v)
@@ -286,18 +309,19 @@ class _Rewrite:
                                eqn=transfer_eqn(to_host), operands=(src,)))
         return out
 
-    def copy_node(self, node: Node) -> None:
-        """Emits an original node; a backward one reads the clones made so far."""
-        if len(self.nodes) == node.index and not node.is_backward:
-            self.nodes.append(node)  # what emit does with it, without building its tuples
+    def copy_node(self, node: Node, backward: bool) -> None:
+        """Emits an original node (``backward``: of the backward pass, reading the clones
+        made so far)."""
+        if not backward:
+            # What emit does with it, without building and comparing its tuples: the node
+            # itself before any block, else the node at its new position.
+            index = len(self.nodes)
+            self.nodes.append(node if index == node.index else replaced(node, index=index))
             return
-        if node.is_backward:
-            rename = self.rename
-            ins = [rename.get(v, v) for v in node.inputs]
-            ops = [None if o is None else rename.get(o, o) for o in node.operands]
-            self.emit(node, ins, ops, node.outputs)
-        else:
-            self.emit(node, node.inputs, node.operands, node.outputs)
+        rename = self.rename
+        ins = [rename.get(v, v) for v in node.inputs]
+        ops = [None if o is None else rename.get(o, o) for o in node.operands]
+        self.emit(node, ins, ops, node.outputs)
 
     def rebuild_block(self, node: Node, block: list[tuple[Residual, Chain]]) -> None:
         """Brings back, just before ``node``, the residuals whose first use it is."""
@@ -330,7 +354,8 @@ class _Rewrite:
                         if v in producers and graph.nodes[producers[v]].is_backward),
                        self.last_out)
         sources = [self.rename.get(v, v) for v in leaves] + [self.host[v] for v in reload]
-        live = [v for v in self.live if v not in leaves]
+        sourced = set(leaves)
+        live = [v for v in self.live if v not in sourced]
         pinned = [self.rename.get(v, v) for v in live] or (
             [trigger] if trigger is not None else [])
         barrier_in = sources + pinned
