@@ -28,12 +28,7 @@ from jaxmem.memory.fusion import (
     transposed_copies,
     used_nodes,
 )
-from jaxmem.memory.precision import (
-    buffer_sizes,
-    float32_operands,
-    float32_results,
-    operand_copies,
-)
+from jaxmem.memory.precision import buffer_sizes, operand_copies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +87,9 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     reuse_end, in_output = _shared_buffers(graph, order, owner, srcs, last_use, outputs, size)
     buffers = _value_buffers(graph, len(order), owner, outputs, first_def, last_use,
                              reuse_end, in_output, size)
-    upcast = float32_operands(graph, owner, backend)
-    copy_size = lambda v: upcast.get(v, size(v))  # noqa: E731
-    for x in (*transposed_copies(graph, order, owner, copy_size),
+    for x in (*transposed_copies(graph, order, owner, size),
               *epilogue_broadcasts(graph, order, owner, first_def),
-              *operand_copies(graph, order, owner, backend, widened),
-              *float32_results(graph, order, owner, backend)):
+              *operand_copies(graph, order, owner, backend, widened)):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
     return tuple(buffers)
 

@@ -129,63 +129,13 @@ def buffer_sizes(graph: Graph, owner: Mapping[int, int], backend: str) -> dict[i
     outputs = set(graph.outputs)
     for d in dots:
         w = graph.nodes[d].outputs[0]
-        if (graph.values[w].dtype in LOW_PRECISION and w not in outputs
-                and not _converted_apart(graph, owner, w)):
+        if graph.values[w].dtype in LOW_PRECISION and w not in outputs:
             sizes[w] = _f32_bytes(graph, w)
     chosen = set(dots)
     for o in _low_operands(graph, owner, dots):
         if o not in sizes and _replaced(graph, owner, o, chosen):
             sizes[o] = _f32_bytes(graph, o)
     return sizes
-
-
-def _converted_apart(graph: Graph, owner: Mapping[int, int], w: int) -> bool:
-    """Whether XLA converts upcast dot result ``w`` to its low-precision type on its own.
-
-    XLA's CPU fusion counts a float32 -> bfloat16 convert as expensive
-    (``CpuInstructionFusion::IsExpensive``) and does not duplicate it: unless a single
-    fusible op reads ``w``, the convert is an instruction of its own, right after the
-    dot, and ``w`` lives in its low-precision buffer; the float32 result lives only
-    until then (:func:`float32_results`). The saved MLP matmuls of the bf16 Llama: XLA
-    keeps ``bf16[4096,688]`` (``wrapped_convert``) where float32 was counted.
-    """
-    readers = _readers(graph, owner, w)
-    single = (len(readers) == 1 and readers[0] is not None
-              and graph.nodes[readers[0]].kind in ("elementwise", "reduce"))
-    return not single
-
-
-def float32_results(graph: Graph, order: Sequence[int], owner: Mapping[int, int],
-                    backend: str) -> list[Extra]:
-    """The float32 results of upcast dots converted apart (:func:`_converted_apart`):
-    each lives at its dot, until the convert to the jaxpr's type."""
-    outputs = set(graph.outputs)
-    pos = {n: p for p, n in enumerate(order)}
-    out = []
-    for d in upcast_dots(graph, backend):
-        w = graph.nodes[d].outputs[0]
-        if (d in pos and graph.values[w].dtype in LOW_PRECISION and w not in outputs
-                and _converted_apart(graph, owner, w)):
-            out.append(Extra(w, _f32_bytes(graph, w), pos[d], pos[d], "float32 dot result"))
-    return out
-
-
-def float32_operands(graph: Graph, owner: Mapping[int, int], backend: str
-                     ) -> dict[int, sympy.Expr]:
-    """Low-precision values upcast dots read (directly, or through a transpose folded
-    into the dot) -> float32 bytes: XLA fuses the convert into a copy it makes of such
-    an operand (a transposed copy is float32)."""
-    out: dict[int, sympy.Expr] = {}
-    for d in upcast_dots(graph, backend):
-        for v in graph.nodes[d].inputs:
-            while True:
-                if graph.values[v].dtype in LOW_PRECISION:
-                    out[v] = _f32_bytes(graph, v)
-                p = graph.producers.get(v)
-                if p is None or owner.get(v, v) != -1 or graph.nodes[p].primitive != "transpose":
-                    break
-                v = graph.nodes[p].inputs[0]
-    return out
 
 
 def operand_copies(graph: Graph, order: Sequence[int], owner: Mapping[int, int],
