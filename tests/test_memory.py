@@ -341,34 +341,3 @@ def test_a_row_statistic_of_the_dots_own_result_is_no_epilogue_operand() -> None
         actual = jaxmem.xla_peak_bytes(compiled)
         predicted = int(m.peak_bytes.subs(S, n))
         assert abs(predicted - actual) <= 0.05 * actual, (n, actual, predicted)
-
-
-
-def _gqa_score_grads(ds, q, k):
-    """GQA attention's dq and dk from a score gradient ``[b, k, g, q, s]`` (two query
-    heads per key head), read through one transpose as JAX's backward pass reads it:
-    dq with its free dims (q, g) permuted, dk contracting them."""
-    t = jnp.transpose(ds * 0.125, (0, 1, 4, 3, 2))  # [b, k, s, q, g]
-    dq = jax.lax.dot_general(t, k, (((2,), (1,)), ((0, 1), (0, 2))))
-    dk = jax.lax.dot_general(t, q, (((3, 4), (1, 3)), ((0, 1), (0, 2))))
-    return dq, dk
-
-
-def test_gqa_score_gradient_copies_per_layout() -> None:
-    # XLA copies dS once per layout its dots need, permuted free dims included (the
-    # bf16 Llama's backward attention, copy_bitcast_fusion). The old rule (one copy
-    # per value, free-dim order ignored) was about -30 % here.
-    from jaxmem.lower import compiler_options
-
-    (s,) = jax.export.symbolic_shape("s", constraints=("s <= 1024",))
-    specs = lambda n: (jax.ShapeDtypeStruct((2, 2, 2, n, n), jnp.float32),  # noqa: E731
-                       jax.ShapeDtypeStruct((2, n, 2, 2, 32), jnp.float32),
-                       jax.ShapeDtypeStruct((2, n, 2, 32), jnp.float32))
-    g = graph_of(_gqa_score_grads, *specs(s))
-    m = memory_model(g, ShapeDomain.from_constraints(("s",), ("s <= 1024",)))
-    for n in (256, 512):
-        compiled = jax.jit(_gqa_score_grads).lower(*specs(n)).compile(
-            compiler_options=compiler_options("cpu"))
-        actual = jaxmem.xla_peak_bytes(compiled)
-        predicted = int(m.peak_bytes.subs(S, n))
-        assert abs(predicted - actual) <= 0.05 * actual, (n, actual, predicted)

@@ -275,8 +275,7 @@ def _canonical_dot_operands(dims: tuple, ranks: tuple[int, int]) -> tuple[bool, 
 
     XLA canonicalises every dot to ``[batch, M, K] x [batch, K, N]`` with
     row-major operands (``DotDecomposer``, CPU layout assignment); the CPU
-    library also takes the right operand as ``[batch, N, K]`` when N is one dim.
-    An operand whose
+    library also takes the right operand as ``[batch, N, K]``. An operand whose
     batch dims are not leading, or whose contracting dims are elsewhere, is first
     copied into that order (measured: ``x @ x.T`` needs no copy, the weight
     gradient ``x.T @ dy`` copies ``x``).
@@ -285,12 +284,10 @@ def _canonical_dot_operands(dims: tuple, ranks: tuple[int, int]) -> tuple[bool, 
     nb = len(lb)
     lhs_ok = (tuple(lb) == tuple(range(nb))
               and tuple(lc) == tuple(range(ranks[0] - len(lc), ranks[0])))
-    # The right operand may also come as [batch, N, K] (the library takes it
-    # transposed), but only with one free dim N: with several (GQA's [b, k, g, q, s]
-    # read contracting s) XLA copies it to [batch, K, N] (measured, jax 0.10.2).
-    nk = (tuple(range(ranks[1] - len(rc), ranks[1])),) if ranks[1] - nb - len(rc) == 1 else ()
+    # The right operand may also come as [batch, N, K] (the library takes it transposed).
     rhs_ok = (tuple(rb) == tuple(range(nb))
-              and tuple(rc) in (tuple(range(nb, nb + len(rc))), *nk))
+              and tuple(rc) in (tuple(range(nb, nb + len(rc))),
+                                tuple(range(ranks[1] - len(rc), ranks[1]))))
     return lhs_ok, rhs_ok
 
 
