@@ -320,35 +320,13 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
         vals = [graph.values[lhs], graph.values[rhs]]
         ok = _canonical_dot_operands(((lc, rc), (lb, rb)),
                                      (len(vals[0].shape), len(vals[1].shape)))
-        frees = (_free_dims(graph, owner, node.inputs[0], lb, lc),
-                 _free_dims(graph, owner, node.inputs[1], rb, rc))
-        layouts = ((*lb, *frees[0], *lc), (*rb, *rc, *frees[1]))
-        for v, fine, free, layout in zip(vals, ok, frees, layouts, strict=True):
-            # A dot keeps its operand's free dims in order: free dims a folded
-            # transpose permutes need the copy too (GQA's dq reads dS [b, k, g, q, s]
-            # as [b, k, q, g, s]: XLA's copy_bitcast_fusion).
-            fine = fine and list(free) == sorted(free)
+        for v, fine in zip(vals, ok, strict=True):
             if fine or len(v.shape) < 2:
                 continue
-            # One copy per layout a dot needs: dots needing the same share it (XLA's
-            # CSE), others get their own (GQA attention's backward: dq and dk read dS
-            # as [b, k, q, g, s] and [b, k, s, q, g], two copies in XLA).
-            key = (v.id, layout)
-            span = spans.setdefault(key, [min(_copy_start(graph, pos, v.id, p), p), p])
+            span = spans.setdefault(v.id, [min(_copy_start(graph, pos, v.id, p), p), p])
             span[1] = p
     return [Extra(v, size(v), a, b, "transposed copy")
-            for (v, _), (a, b) in spans.items()]
-
-
-def _free_dims(graph: Graph, owner: dict[int, int], v: int, batch: tuple,
-               contracting: tuple) -> tuple:
-    """Dot operand ``v``'s free dims in the dot's order, as dims of the buffer read
-    (through a folded transpose, like ``batch`` and ``contracting``)."""
-    perm = tuple(range(len(graph.values[v].shape)))
-    p = graph.producers.get(v)
-    if p is not None and owner.get(v, v) == -1 and graph.nodes[p].primitive == "transpose":
-        perm = tuple(dict(graph.nodes[p].params).get("permutation") or perm)
-    return tuple(d for d in perm if d not in batch and d not in contracting)
+            for v, (a, b) in spans.items()]
 
 
 def _copy_start(graph: Graph, pos: dict[int, int], v: int, first_dot: int) -> int:
