@@ -123,8 +123,15 @@ def loop_candidates(graph: Graph, pairs: Sequence[ScanPair], corner: Mapping[Any
                                     for p, m in zip(pairs, made, strict=True)),
                               "dot_general", "every stacked residual but the matmul outputs "
                               "dearer to re-run than to stack", tuple(dear)))
-    partial = [p for p in plans if p not in (every, saving) and any(p.drop)]
-    return (*dict.fromkeys(partial), saving, every)
+    def rewrite(p: LoopPlan) -> tuple[Any, ...]:  # what a plan does, whatever its label
+        return p.drop, p.saved_primitive, p.saved_ordinals
+
+    seen, partial = {rewrite(saving), rewrite(every)}, []
+    for p in plans:
+        if any(p.drop) and rewrite(p) not in seen:
+            seen.add(rewrite(p))
+            partial.append(p)
+    return (*partial, saving, every)
 
 
 def _dear_dots(graph: Graph, pair: ScanPair, corner: Mapping[Any, int],
