@@ -114,24 +114,35 @@ def loop_candidates(graph: Graph, pairs: Sequence[ScanPair], corner: Mapping[Any
     saving = LoopPlan(tuple(tuple(j for j in p.droppable if j not in made)
                             for p, made in zip(pairs, dots, strict=True)),
                       "dot_general", "every stacked residual but matmul outputs")
-    dear = [_dear_dots(graph, p, corner, costs) for p in pairs] if costs is not None else []
-    counts = [len(_made_by(graph, p, "dot_general")[0]) for p in pairs]
-    if any(0 < len(d) < n for d, n in zip(dear, counts, strict=False)):  # neither all nor none
+    if costs is not None:
+        dear = [_dear_dots(graph, p, corner, costs) for p in pairs]
         made = [_made_by(graph, p, "dot_general", kept)[1]
                 for p, kept in zip(pairs, dear, strict=True)]
         plans.append(LoopPlan(tuple(tuple(j for j in p.droppable if j not in m)
                                     for p, m in zip(pairs, made, strict=True)),
                               "dot_general", "every stacked residual but the matmul outputs "
                               "dearer to re-run than to stack", tuple(dear)))
-    def rewrite(p: LoopPlan) -> tuple[Any, ...]:  # what a plan does, whatever its label
-        return p.drop, p.saved_primitive, p.saved_ordinals
-
-    seen, partial = {rewrite(saving), rewrite(every)}, []
+    # Saving every matmul (or none) rewrites as `saving` (or `every`) does: one candidate.
+    seen = {_rewrite(saving), _rewrite(every)}
+    partial = []
     for p in plans:
-        if any(p.drop) and rewrite(p) not in seen:
-            seen.add(rewrite(p))
+        if any(p.drop) and _rewrite(p) not in seen and not _saves_all_or_none(graph, pairs, p):
+            seen.add(_rewrite(p))
             partial.append(p)
     return (*partial, saving, every)
+
+
+def _rewrite(plan: LoopPlan) -> tuple[Any, ...]:
+    """What a plan does to the graph, whatever its label."""
+    return plan.drop, plan.saved_primitive, plan.saved_ordinals
+
+
+def _saves_all_or_none(graph: Graph, pairs: Sequence[ScanPair], plan: LoopPlan) -> bool:
+    """Whether ``plan`` names its saved matmuls but they are all, or none, of every body's."""
+    if plan.saved_ordinals is None:
+        return False
+    counts = [len(_made_by(graph, p, plan.saved_primitive)[0]) for p in pairs]
+    return all(len(k) in (0, n) for k, n in zip(plan.saved_ordinals, counts, strict=True))
 
 
 def _dear_dots(graph: Graph, pair: ScanPair, corner: Mapping[Any, int],

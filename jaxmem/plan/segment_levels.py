@@ -99,9 +99,9 @@ def role_sets(graph: Graph, segs: Segments, plan: SegmentPlan, residuals: Sequen
     flops = {}
     for n in graph.nodes:
         if not n.is_backward and n.flops != 0:
-            value = at.get(n.flops)
-            flops[n.index] = at.setdefault(n.flops, float(sum_at([n.flops], corner))) if (
-                value is None) else value
+            if n.flops not in at:
+                at[n.flops] = float(sum_at([n.flops], corner))
+            flops[n.index] = at[n.flops]
     stays = set(keep) | set(graph.inputs) | {r.value for r in residuals} - {
         r.value for r in chosen}
 
