@@ -12,6 +12,10 @@ written one way the planner has not been tuned on:
 * ``user-remat``: every other layer already under the user's
   ``jax.checkpoint(policy=dots_with_no_batch_dims_saveable)``.
 
+and the programs of :mod:`bench.unseen_programs`, which are no such decoder:
+``accum`` (gradient accumulation under ``lax.scan``), ``cnn`` (a linen convnet),
+``encdec`` (an NNX encoder-decoder with two sequence dims) and ``moe`` (top-2 experts).
+
 For each program: ``jaxmem.jit`` at a budget of 0.6x plain ``jax.jit``'s XLA peak
 (does it fit, do outputs equal ``jax.jit``'s, seconds to plan), and every level's XLA
 peak against its prediction.
@@ -40,6 +44,7 @@ import optax
 
 import jaxmem
 from bench.outputs import TextTable, add_output_arguments
+from bench.unseen_programs import CASES, Case
 
 D, VOCAB = 64, 128
 BUDGET_FRACTION = 0.6
@@ -150,17 +155,24 @@ def train_step(name: str, layers: int) -> tuple[Callable[..., Any], Any]:
     return step, (params, opt.init(params))
 
 
-def measure(name: str, layers: int, b: int, s: int) -> dict[str, Any]:
-    """Every figure of one program (see the module docstring)."""
+def decoder_case(name: str, quick: bool) -> Case:
+    """One of the four decoders as a :class:`~bench.unseen_programs.Case`."""
+    layers, (b, s) = (1, (2, 16)) if quick else (3, (8, 64))
     step, state = train_step(name, layers)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (b, s)), jnp.int32)
-    args = (state, tokens, jax.random.key(1))
-    plain = jax.jit(step).lower(*args).compile()
+    return Case(step, state, (tokens, jax.random.key(1)), (None, "b, s", None),
+                (f"b <= {b}", f"s <= {s}"))
+
+
+def measure(name: str, case: Case) -> dict[str, Any]:
+    """Every figure of one program (see the module docstring)."""
+    args = (case.state, *case.data)
+    plain = jax.jit(case.step).lower(*args).compile()
     plain_bytes = jaxmem.xla_peak_bytes(plain)
     budget = int(BUDGET_FRACTION * plain_bytes)
     t0 = time.perf_counter()
-    planned = jaxmem.jit(step, polymorphic_shapes=(None, "b, s", None),
-                         constraints=(f"b <= {b}", f"s <= {s}"), budget_bytes=budget)
+    planned = jaxmem.jit(case.step, polymorphic_shapes=case.polymorphic_shapes,
+                         constraints=case.constraints, budget_bytes=budget)
     try:
         plan = planned.plan_for(*args)
     except jaxmem.BudgetInfeasibleError as e:  # a row of its own, not a crash
@@ -188,15 +200,21 @@ def _error(lv: dict[str, int]) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 layer at (2, 16)")
-    parser.add_argument("--programs", default=",".join(PROGRAMS))
+    parser.add_argument("--programs", default=",".join([*PROGRAMS, *CASES]))
     add_output_arguments(parser, "unseen.json")
     args = parser.parse_args(argv)
     layers, (b, s) = (1, (2, 16)) if args.quick else (3, (8, 64))
     log = TextTable()
-    log(f"{layers} layers at b={b}, s={s}; budget {BUDGET_FRACTION}x plain jax.jit's peak")
+    log(f"{layers} layers at b={b}, s={s} (decoders; bench.unseen_programs for the others); "
+        f"budget {BUDGET_FRACTION}x plain jax.jit's peak")
     rows = []
     for name in args.programs.split(","):
-        row = measure(name, layers, b, s)
+        if name not in PROGRAMS and name not in CASES:
+            raise SystemExit(f"--programs: unknown program {name!r}; known: "
+                             f"{', '.join([*PROGRAMS, *CASES])}")
+        case = (decoder_case(name, args.quick) if name in PROGRAMS
+                else CASES[name](args.quick))
+        row = measure(name, case)
         rows.append(row)
         if not row["levels"]:
             log(f"{name:11s} plain {row['plain_peak_bytes'] / 2**20:7.2f} MiB  no level fits "

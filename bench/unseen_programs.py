@@ -1,0 +1,229 @@
+"""More programs written apart from jaxmem, beyond decoders over one token batch.
+
+Each builder returns a :class:`Case`: the step ``step(state, *data) -> (state, loss)``,
+its state and data (concrete arrays), the ``polymorphic_shapes`` of ``(state, *data)``
+and the constraints of the shape domain.
+
+* ``accum``: gradient accumulation, a ``lax.scan`` over microbatches whose body runs
+  the forward and backward pass of a pre-LayerNorm decoder (plain JAX, Python loop
+  over layers) and sums the gradients, under ``optax.adam``;
+* ``cnn``: a Flax linen convolutional classifier (three conv + average-pool stages,
+  global mean, two dense layers) over images of dynamic batch and side, under SGD
+  with momentum;
+* ``encdec``: a Flax NNX encoder-decoder (``nnx.MultiHeadAttention``, self-, causal
+  and cross-attention, tied embeddings) with two sequence dims, under
+  ``nnx.Optimizer(adamw)``;
+* ``moe``: a plain-JAX decoder whose MLPs are top-2 mixtures of 4 experts (softmax
+  router, ``lax.top_k``, one-hot dispatch by ``einsum``), under ``optax.lion``.
+
+Example:
+    >>> case = CASES["cnn"](True)
+    >>> state, loss = case.step(case.state, *case.data)
+    >>> float(loss) > 0
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+D, VOCAB = 64, 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One program: its step, state, data and shape domain."""
+
+    step: Callable[..., Any]
+    state: Any
+    data: tuple[Any, ...]
+    polymorphic_shapes: tuple[str | None, ...]
+    constraints: tuple[str, ...]
+
+
+def _tokens(shape: tuple[int, ...], seed: int = 0) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, shape), jnp.int32)
+
+
+def _normal(shapes: Any, seed: int) -> Any:
+    leaves, tree = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(tree, [0.05 * jax.random.normal(k, s) for k, s in
+                                     zip(keys, leaves, strict=True)])
+
+
+def _layer_norm(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + 1e-5) * g + b
+
+
+def _attention(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    b, s, _ = x.shape
+    q, k, v = ((x @ p[n]).reshape(b, s, 4, D // 4) for n in "qkv")
+    scores = jnp.einsum("bshd,bthd->bhst", q, k) / np.sqrt(D // 4)
+    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e9)
+    o = jnp.einsum("bhst,bthd->bshd", jax.nn.softmax(scores, -1), v).reshape(b, s, D)
+    return o @ p["o"]
+
+
+def _lm_loss(x: jax.Array, emb: jax.Array, tokens: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(
+        x @ emb.T, jnp.roll(tokens, -1, 1)).mean()
+
+
+def _optax_step(loss: Callable[..., jax.Array], opt: optax.GradientTransformation
+                ) -> Callable[..., Any]:
+    def step(state: Any, *data: Any) -> Any:
+        params, opt_state = state
+        value, grads = jax.value_and_grad(loss)(params, *data)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), value
+    return step
+
+
+_ATTENTION = {"q": (D, D), "k": (D, D), "v": (D, D), "o": (D, D)}
+
+
+def accum_case(quick: bool) -> Case:
+    """Gradient accumulation over 4 microbatches of ``(b, s)`` tokens."""
+    layers, (b, s) = (1, (2, 16)) if quick else (3, (8, 64))
+    shapes = {"emb": (VOCAB, D), "layers": [
+        {"attn": _ATTENTION, "w1": (D, 4 * D), "w2": (4 * D, D), "g": (D,), "b": (D,)}
+        for _ in range(layers)]}
+    params = _normal(shapes, 0)
+    opt = optax.adam(1e-3)
+
+    def loss(p: Any, tokens: jax.Array) -> jax.Array:
+        x = p["emb"][tokens]
+        for lp in p["layers"]:
+            x = x + _attention(_layer_norm(x, lp["g"], lp["b"]), lp["attn"])
+            x = x + jax.nn.gelu(_layer_norm(x, lp["g"], lp["b"]) @ lp["w1"]) @ lp["w2"]
+        return _lm_loss(x, p["emb"], tokens)
+
+    def step(state: Any, microbatches: jax.Array) -> Any:
+        p, opt_state = state
+
+        def body(total: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
+            value, grads = jax.value_and_grad(loss)(p, tokens)
+            return jax.tree.map(jnp.add, total, grads), value
+
+        grads, values = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), microbatches)
+        updates, opt_state = opt.update(grads, opt_state, p)
+        return (optax.apply_updates(p, updates), opt_state), values.mean()
+
+    return Case(step, (params, opt.init(params)), (_tokens((4, b, s)),),
+                (None, "4, b, s"), (f"b <= {b}", f"s <= {s}"))
+
+
+class _ConvNet(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for features in (16, 32, 32):
+            x = nn.avg_pool(nn.relu(nn.Conv(features, (3, 3))(x)), (2, 2), (2, 2))
+        return nn.Dense(10)(nn.relu(nn.Dense(64)(x.mean((1, 2)))))
+
+
+def cnn_case(quick: bool) -> Case:
+    """The linen classifier on ``(b, 8 h, 8 h, 3)`` images (side a multiple of 8)."""
+    b, side = (2, 16) if quick else (16, 32)
+    model = _ConvNet()
+    rng = np.random.default_rng(0)
+    images = jnp.asarray(rng.normal(size=(b, side, side, 3)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 10, (b,)), jnp.int32)
+    params = model.init(jax.random.key(0), images)
+    opt = optax.sgd(1e-2, momentum=0.9)
+
+    def loss(p: Any, images: jax.Array, labels: jax.Array) -> jax.Array:
+        return optax.softmax_cross_entropy_with_integer_labels(
+            model.apply(p, images), labels).mean()
+
+    return Case(_optax_step(loss, opt), (params, opt.init(params)), (images, labels),
+                (None, "b, 8*h, 8*h, 3", "b"), (f"b <= {b}", f"h <= {side // 8}"))
+
+
+class _EncoderDecoder(nnx.Module):
+    def __init__(self, layers: int, rngs: nnx.Rngs) -> None:
+        def attention() -> nnx.MultiHeadAttention:
+            return nnx.MultiHeadAttention(4, D, decode=False, rngs=rngs)
+
+        self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+        self.encoder = nnx.List([attention() for _ in range(layers)])
+        self.decoder = nnx.List([attention() for _ in range(layers)])
+        self.cross = nnx.List([attention() for _ in range(layers)])
+        self.mlps = nnx.List([nnx.Linear(D, D, rngs=rngs) for _ in range(2 * layers)])
+        self.norms = nnx.List([nnx.LayerNorm(D, rngs=rngs) for _ in range(3 * layers)])
+
+    def __call__(self, source: jax.Array, target: jax.Array) -> jax.Array:
+        n = len(self.encoder)
+        x = self.embed(source)
+        for i, attend in enumerate(self.encoder):
+            x = x + attend(self.norms[i](x))
+            x = x + jax.nn.relu(self.mlps[i](x))
+        y, mask = self.embed(target), nnx.make_causal_mask(target)
+        for i in range(n):
+            y = y + self.decoder[i](self.norms[n + i](y), mask=mask)
+            y = y + self.cross[i](self.norms[2 * n + i](y), x)
+            y = y + jax.nn.relu(self.mlps[n + i](y))
+        return self.embed.attend(y)
+
+
+def encdec_case(quick: bool) -> Case:
+    """The NNX encoder-decoder on ``(b, s)`` source and ``(b, t)`` target tokens."""
+    layers, (b, s, t) = (1, (2, 16, 8)) if quick else (2, (8, 48, 32))
+    model = _EncoderDecoder(layers, nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state: Any, source: jax.Array, target: jax.Array) -> Any:
+        model, optimizer = nnx.merge(graphdef, state)
+
+        def loss(m: _EncoderDecoder) -> jax.Array:
+            logits = m(source, target)
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits[:, :-1], target[:, 1:]).mean()
+
+        value, grads = nnx.value_and_grad(loss)(model)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), value
+
+    return Case(step, state, (_tokens((b, s)), _tokens((b, t), 1)), (None, "b, s", "b, t"),
+                (f"b <= {b}", f"s <= {s}", f"t <= {t}", "t >= 2"))
+
+
+def moe_case(quick: bool) -> Case:
+    """The top-2 mixture-of-experts decoder on ``(b, s)`` tokens."""
+    layers, experts, (b, s) = (1, 4, (2, 16)) if quick else (2, 4, (8, 64))
+    shapes = {"emb": (VOCAB, D), "layers": [
+        {"attn": _ATTENTION, "router": (D, experts), "w1": (experts, D, 2 * D),
+         "w2": (experts, 2 * D, D), "g": (D,), "b": (D,)} for _ in range(layers)]}
+    params = _normal(shapes, 1)
+    opt = optax.lion(1e-4)
+
+    def loss(p: Any, tokens: jax.Array) -> jax.Array:
+        x = p["emb"][tokens]
+        for lp in p["layers"]:
+            x = x + _attention(_layer_norm(x, lp["g"], lp["b"]), lp["attn"])
+            h = _layer_norm(x, lp["g"], lp["b"])
+            top, chosen = jax.lax.top_k(jax.nn.softmax(h @ lp["router"], -1), 2)
+            weights = (jax.nn.one_hot(chosen, experts) * top[..., None]).sum(2)
+            hidden = jax.nn.relu(jnp.einsum("bsd,edf->bsef", h, lp["w1"]))
+            x = x + jnp.einsum("bsef,efd,bse->bsd", hidden, lp["w2"], weights)
+        return _lm_loss(x, p["emb"], tokens)
+
+    return Case(_optax_step(loss, opt), (params, opt.init(params)), (_tokens((b, s)),),
+                (None, "b, s"), (f"b <= {b}", f"s <= {s}"))
+
+
+#: name -> builder of the program's case (``quick``: CI-sized)
+CASES: dict[str, Callable[[bool], Case]] = {
+    "accum": accum_case, "cnn": cnn_case, "encdec": encdec_case, "moe": moe_case}
