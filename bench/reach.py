@@ -8,7 +8,10 @@ two budgets: 1.1x the per-layer checkpoint's peak (it must fit, at no more than
 faster than the checkpoint). Times are medians of paired, alternating runs in one
 process, as ratios to the per-layer checkpoint.
 
-    python -m bench.reach [--quick] [--repeats N] --out bench/results/reach.json
+    python -m bench.reach [--quick] [--shape B,S] [--repeats N] --out bench/results/reach.json
+
+The decoders are 4 layers of width 256 at ``(b, s) = (4, 256)`` unless ``--shape``
+says otherwise (issue #12's table was measured at ``16,512``).
 
 Programs: ``gpt``, the plain-JAX GPT of :mod:`bench.programs` (Python loop over
 layers, no named scopes); ``gpt-scan``, the same with ``lax.scan`` over stacked
@@ -242,10 +245,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small shapes (CI-sized)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--shape", default="4,256", help="b,s of the decoders (not the Llama)")
     ap.add_argument("--programs", default="gpt,gpt-scan,linen,linen-scan,nnx,nnx-scan,llama")
     add_output_arguments(ap, "reach.json")
     a = ap.parse_args(argv)
-    size = (2, 64, 3, 64) if a.quick else (4, 256, 4, 256)
+    try:
+        b, s = (int(x) for x in a.shape.split(","))
+    except ValueError:
+        ap.error(f"--shape must be two integers b,s, got {a.shape!r}")
+    if min(b, s) < 1:
+        ap.error(f"--shape must be positive, got {a.shape!r}")
+    size = (2, 64, 3, 64) if a.quick else (b, s, 4, 256)
     cases = {"gpt": lambda: gpt_case(*size), "gpt-scan": lambda: gpt_case(*size, scan=True),
              "linen": lambda: linen_case(*size), "linen-scan": lambda: linen_scan_case(*size),
              "nnx": lambda: nnx_case(*size), "nnx-scan": lambda: nnx_case(*size, scan=True),
