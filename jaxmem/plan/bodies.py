@@ -24,7 +24,7 @@ Example:
     >>> g = build_graph(jax.make_jaxpr(step)(jnp.ones((8, 8)), jnp.ones((4, 2, 8))))
     >>> len(body_scans(g))
     1
-    >>> plan = BodyPlan(((("<top>:tanh",), None, ()),))
+    >>> plan = BodyPlan(((("<top>:tanh(dot_general)",), None, ()),))
     >>> scan = lambda g: [n for n in g.nodes if n.primitive == "scan"][0]
     >>> len(scan(apply_body_plan(g, plan)).subgraphs[0].nodes) > len(scan(g).subgraphs[0].nodes)
     True
@@ -46,6 +46,7 @@ from jaxmem.graph.build import dim_of
 from jaxmem.memory import memory_model
 from jaxmem.plan.level import Level
 from jaxmem.plan.levels import PlanSet, plan_levels
+from jaxmem.plan.offload import Costs
 from jaxmem.plan.pareto import on_frontier
 from jaxmem.plan.remat import apply_remat
 from jaxmem.plan.residuals import find_residuals, is_forward
@@ -73,8 +74,8 @@ class BodyPlan:
 
     @property
     def name(self) -> str:
-        parts = [f"scan body {k}: " + (f"re-run {rule[1].name}" if rule[1] is not None
-                                       else f"recompute {len(rule[0])} group(s)")
+        parts = [f"inside scan body {k}: " + (f"re-run {rule[1].name}" if rule[1] is not None
+                                              else f"{len(rule[0])} residual group(s)")
                  for k, rule in enumerate(self.rules) if rule is not None]
         return "; ".join(parts) or "scan bodies as they are"
 
@@ -99,6 +100,11 @@ def rewrite_body(body: Graph, rule: BodyRule) -> Graph:
     residuals = find_residuals(body)
     groups, segments, batch = rule
     if segments is None:
+        missing = sorted(set(groups) - {r.group for r in residuals})
+        if missing:
+            warnings.warn(f"jaxmem: this trace's scan body has no residual group {missing}; "
+                          "those residuals stay saved at this shape", JaxmemWarning,
+                          stacklevel=4)
         return apply_remat(body, [r for r in residuals if r.group in set(groups)], (),
                            residuals)
     segs = find_segments(body, batch=batch)
@@ -171,7 +177,7 @@ def _rule(level: Level, body: Graph) -> BodyRule | None:
 
 
 def body_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
-                donated: tuple[int, ...] = ()) -> list[BodyLevel]:
+                donated: tuple[int, ...] = (), costs: Costs | None = None) -> list[BodyLevel]:
     """A step level per level of each scan body's own plan set (that body rewritten, the
     others as they are), with the step's memory model."""
     scans = body_scans(graph)
@@ -179,7 +185,7 @@ def body_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
     out = []
     for k, index in enumerate(scans):
         body = graph.nodes[index].subgraphs[0]
-        for level in plan_levels(body, dom, symbolic=symbolic).levels[1:]:
+        for level in plan_levels(body, dom, symbolic=symbolic, costs=costs).levels[1:]:
             rule = _rule(level, body)
             if rule is None:
                 continue
@@ -202,7 +208,8 @@ def add_body_levels(plans: PlanSet, graph: Graph, *, symbolic: bool = True,
     dom = plans.domain
     points = dom.sample_points()
     levels = list(plans.levels)
-    candidates = body_levels(graph, dom, symbolic=symbolic, donated=donated)
+    candidates = body_levels(graph, dom, symbolic=symbolic, donated=donated,
+                             costs=plans.costs)
     corner = {sym(k): v for k, v in dom.corner().items()}
     for level in sorted(candidates, key=lambda lv: float(lv.recompute_flops.subs(corner))):
         if any(level.peak_fn(p) < (1 - BODY_MARGIN) * min(lv.peak_fn(p) for lv in levels)
