@@ -153,3 +153,51 @@ def test_a_plan_for_other_scans_warns_and_leaves_the_graph():
     assert len(body_scans(g)) == 1
     with pytest.warns(JaxmemWarning, match="scan bodies"):
         assert apply_body_plan(g, BodyPlan((None, None))) is g
+
+
+def _scanned_loss(p: dict, x: jax.Array) -> jax.Array:
+    """A residual MLP whose layers run under ``lax.scan`` over stacked weights."""
+    def layer(h: jax.Array, w: tuple) -> tuple[jax.Array, None]:
+        n = h / jnp.sqrt((h * h).mean(-1, keepdims=True) + 1e-5)
+        return h + jnp.tanh(n @ w[0]) @ w[1], None
+
+    return (jax.lax.scan(layer, x, (p["w1"], p["w2"]))[0] ** 2).mean()
+
+
+def _scanned_step(state: tuple, xs: jax.Array) -> tuple:
+    p, opt_state = state
+
+    def body(total: dict, x: jax.Array) -> tuple[dict, jax.Array]:
+        value, grads = jax.value_and_grad(_scanned_loss)(p, x)
+        return jax.tree.map(jnp.add, total, grads), value
+
+    grads, values = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), xs)
+    updates, opt_state = OPT.update(grads, opt_state, p)
+    return (optax.apply_updates(p, updates), opt_state), values.mean()
+
+
+def test_loop_plans_inside_the_body():
+    """A body that scans over layers gets the loop plans of its own scan pair
+    (:mod:`jaxmem.plan.loops`) inside the accumulation scan: each runs as jax.jit does,
+    below level 0's XLA peak, and survives the disk store. Predictions are not checked:
+    the model misses a scan inside a scan by about the same bytes at every level
+    (a 64-wide twin at (16, 64): level 0 -26 %, the body levels -41..-58 %)."""
+    rng = np.random.default_rng(0)
+    p = {"w1": jnp.asarray(rng.standard_normal((3, D, 4 * D)) * 0.1, jnp.float32),
+         "w2": jnp.asarray(rng.standard_normal((3, 4 * D, D)) * 0.1, jnp.float32)}
+    args = ((p, OPT.init(p)), jnp.asarray(rng.standard_normal((MICRO, 8, 32, D)), jnp.float32))
+    planned = jaxmem.jit(_scanned_step, polymorphic_shapes=(None, f"{MICRO}, b, s, {D}"),
+                         constraints=("b <= 8", "s <= 32"))
+    a = planned.analysis(*args)
+    loops = [k for k, lv in enumerate(a.plans.levels) if isinstance(lv, BodyLevel)
+             and any(r is not None and r.loops is not None for r in lv.bodies.rules)]
+    assert loops, a.plans.describe()
+    data = json.loads(json.dumps(encode_plans(a.plans, a.orders, a.graph)))
+    assert decode_plans(data, a.graph, a.domain) == (a.plans, a.orders)
+    want = jax.jit(_scanned_step)(*args)
+    base = planned.compile_level(0, *args).peak_bytes
+    for k in loops:
+        lv = planned.compile_level(k, *args)
+        for x, y in zip(jax.tree.leaves(lv.compiled(*args)), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
+        assert lv.peak_bytes < base, (k, lv.peak_bytes, base)

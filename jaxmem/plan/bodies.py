@@ -24,7 +24,7 @@ Example:
     >>> g = build_graph(jax.make_jaxpr(step)(jnp.ones((8, 8)), jnp.ones((4, 2, 8))))
     >>> len(body_scans(g))
     1
-    >>> plan = BodyPlan(((("<top>:tanh(dot_general)",), None, ()),))
+    >>> plan = BodyPlan((BodyRule(("<top>:tanh(dot_general)",)),))
     >>> scan = lambda g: [n for n in g.nodes if n.primitive == "scan"][0]
     >>> len(scan(apply_body_plan(g, plan)).subgraphs[0].nodes) > len(scan(g).subgraphs[0].nodes)
     True
@@ -46,6 +46,7 @@ from jaxmem.graph.build import dim_of
 from jaxmem.memory import memory_model
 from jaxmem.plan.level import Level
 from jaxmem.plan.levels import PlanSet, plan_levels
+from jaxmem.plan.loops import LoopPlan, with_loop_plan
 from jaxmem.plan.offload import Costs
 from jaxmem.plan.pareto import on_frontier
 from jaxmem.plan.remat import apply_remat
@@ -53,12 +54,33 @@ from jaxmem.plan.residuals import find_residuals, is_forward
 from jaxmem.plan.segments import SegmentPlan, find_segments, segment_residuals
 from jaxmem.symbolic import ShapeDomain, sym
 
-#: One body's rule: the residual groups it recomputes, or its segment plan (then the
-#: groups are for people) and the body inputs that are its batch on the symbolic trace.
-BodyRule = tuple[tuple[str, ...], SegmentPlan | None, tuple[int, ...]]
-
 #: A body level must lower the step's peak by this share somewhere to be kept.
 BODY_MARGIN = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyRule:
+    """What one body recomputes, as its own plan set's level said, by rule.
+
+    Attributes:
+        recompute: the body's residual groups recomputed (for a segment plan: for people).
+        segments: the body's segment plan, or None.
+        batch: with ``segments``, the body inputs that are its batch on the symbolic trace.
+        loops: the body's loop plan (scans over layers inside the body), applied before
+            ``recompute``; or None.
+    """
+
+    recompute: tuple[str, ...]
+    segments: SegmentPlan | None = None
+    batch: tuple[int, ...] = ()
+    loops: LoopPlan | None = None
+
+    @property
+    def name(self) -> str:
+        if self.segments is not None:
+            return f"re-run {self.segments.name}"
+        groups = f"{len(self.recompute)} residual group(s)" if self.recompute else ""
+        return ", ".join(p for p in (groups, self.loops and self.loops.name) if p)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +96,7 @@ class BodyPlan:
 
     @property
     def name(self) -> str:
-        parts = [f"inside scan body {k}: " + (f"re-run {rule[1].name}" if rule[1] is not None
-                                              else f"{len(rule[0])} residual group(s)")
+        parts = [f"inside scan body {k}: {rule.name}"
                  for k, rule in enumerate(self.rules) if rule is not None]
         return "; ".join(parts) or "scan bodies as they are"
 
@@ -97,8 +118,10 @@ def body_scans(graph: Graph) -> tuple[int, ...]:
 
 def rewrite_body(body: Graph, rule: BodyRule) -> Graph:
     """``body`` with ``rule``'s recomputation applied, as the step-level rewrite does."""
+    if rule.loops is not None:
+        return with_loop_plan(body, rule.loops, rule.recompute)[0]
     residuals = find_residuals(body)
-    groups, segments, batch = rule
+    groups, segments = rule.recompute, rule.segments
     if segments is None:
         missing = sorted(set(groups) - {r.group for r in residuals})
         if missing:
@@ -107,7 +130,7 @@ def rewrite_body(body: Graph, rule: BodyRule) -> Graph:
                           stacklevel=4)
         return apply_remat(body, [r for r in residuals if r.group in set(groups)], (),
                            residuals)
-    segs = find_segments(body, batch=batch)
+    segs = find_segments(body, batch=rule.batch)
     if len(segs.cuts) != segments.n_cuts:
         warnings.warn(f"jaxmem: this trace's scan body has {len(segs.cuts)} forward cuts "
                       f"where the symbolic one has {segments.n_cuts}; {segments.name} is not "
@@ -170,10 +193,14 @@ def _runner(graph: Graph) -> Any:
 
 def _rule(level: Level, body: Graph) -> BodyRule | None:
     """A body level as a rule (None for one this module cannot apply by rule)."""
-    if level.loops is not None or level.offload or not level.recompute:
+    if level.offload or not level.recompute:
         return None
+    if level.loops is not None:  # its last name is the loop plan's
+        return BodyRule(level.recompute[:-1], loops=level.loops)
+    if level.segments is None:
+        return BodyRule(level.recompute)
     batch = tuple(i for i, v in enumerate(body.inputs) if body.values[v].nbytes.free_symbols)
-    return level.recompute, level.segments, batch if level.segments is not None else ()
+    return BodyRule(level.recompute, level.segments, batch)
 
 
 def body_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
@@ -227,22 +254,31 @@ def add_body_levels(plans: PlanSet, graph: Graph, *, symbolic: bool = True,
 
 def encode_body_plan(plan: BodyPlan) -> list[Any]:
     """``plan`` as JSON-ready data (:func:`decode_body_plan` reads it back)."""
-    return [None if r is None else
-            [list(r[0]), None if r[1] is None else
-             [r[1].count, sorted(r[1].save), list(r[1].kept), r[1].n_cuts], list(r[2])]
-            for r in plan.rules]
+    def rule(r: BodyRule) -> list[Any]:
+        seg, loops = r.segments, r.loops
+        return [list(r.recompute),
+                None if seg is None else [seg.count, sorted(seg.save), list(seg.kept),
+                                          seg.n_cuts],
+                list(r.batch),
+                None if loops is None else [
+                    [list(d) for d in loops.drop], loops.saved_primitive, loops.label,
+                    None if loops.saved_ordinals is None
+                    else [list(o) for o in loops.saved_ordinals]]]
+
+    return [None if r is None else rule(r) for r in plan.rules]
 
 
 def decode_body_plan(data: Sequence[Any]) -> BodyPlan:
     """The :class:`BodyPlan` of :func:`encode_body_plan`'s ``data``."""
-    rules: list[BodyRule | None] = []
-    for r in data:
-        if r is None:
-            rules.append(None)
-            continue
-        groups, seg, batch = r
+    def ints(xs: Sequence[Any]) -> tuple[int, ...]:
+        return tuple(int(i) for i in xs)
+
+    def rule(groups: Sequence[Any], seg: Any, batch: Sequence[Any], loops: Any) -> BodyRule:
         segments = None if seg is None else SegmentPlan(
-            int(seg[0]), frozenset(str(s) for s in seg[1]), tuple(int(i) for i in seg[2]),
-            int(seg[3]))
-        rules.append((tuple(str(g) for g in groups), segments, tuple(int(i) for i in batch)))
-    return BodyPlan(tuple(rules))
+            int(seg[0]), frozenset(str(x) for x in seg[1]), ints(seg[2]), int(seg[3]))
+        loop = None if loops is None else LoopPlan(
+            tuple(ints(d) for d in loops[0]), str(loops[1]), str(loops[2]),
+            None if loops[3] is None else tuple(ints(o) for o in loops[3]))
+        return BodyRule(tuple(str(g) for g in groups), segments, ints(batch), loop)
+
+    return BodyPlan(tuple(None if r is None else rule(*r) for r in data))
