@@ -10,9 +10,10 @@ its levels becomes a level of the step whose scan runs the rewritten body, trace
 anew with ``jax.make_jaxpr``. The step's memory model prices a scan by its body's
 model, so the step's peak follows the body's.
 
-A :class:`BodyPlan` names what each body recomputes by rule (residual group names,
-or a segment plan and the body's batch inputs), never by value id, so that the plan
-derived on the symbolic trace applies to every concrete trace of the step.
+A :class:`BodyPlan` names what each body recomputes by rule (residual group names, a
+segment plan and the body's batch inputs, or, for a body that scans over layers, the
+loop plan of its own scan pairs), never by value id, so that the plan derived on the
+symbolic trace applies to every concrete trace of the step.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -51,7 +52,7 @@ from jaxmem.plan.offload import Costs
 from jaxmem.plan.pareto import on_frontier
 from jaxmem.plan.remat import apply_remat
 from jaxmem.plan.residuals import find_residuals, is_forward
-from jaxmem.plan.segments import SegmentPlan, find_segments, segment_residuals
+from jaxmem.plan.segments import SegmentPlan, batch_inputs, find_segments, segment_residuals
 from jaxmem.symbolic import ShapeDomain, sym
 
 #: A body level must lower the step's peak by this share somewhere to be kept.
@@ -199,8 +200,7 @@ def _rule(level: Level, body: Graph) -> BodyRule | None:
         return BodyRule(level.recompute[:-1], loops=level.loops)
     if level.segments is None:
         return BodyRule(level.recompute)
-    batch = tuple(i for i, v in enumerate(body.inputs) if body.values[v].nbytes.free_symbols)
-    return BodyRule(level.recompute, level.segments, batch)
+    return BodyRule(level.recompute, level.segments, batch_inputs(body))
 
 
 def body_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
