@@ -31,6 +31,7 @@ import jax
 from jaxmem.grad import microbatching
 from jaxmem.graph import Graph, JaxmemWarning, build_graph
 from jaxmem.plan.analysis import Analysis, as_struct
+from jaxmem.plan.bodies import BodyLevel, apply_body_plan
 from jaxmem.plan.loops import with_loop_plan
 from jaxmem.plan.remat import apply_remat
 from jaxmem.plan.residuals import Residual, find_residuals
@@ -87,7 +88,9 @@ def rewrite_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tup
                                            return_shape=True)(
             *jax.tree_util.tree_unflatten(tree, avals))
     graph = build_graph(closed)
-    if level.loops is not None:
+    if isinstance(level, BodyLevel):
+        rewritten = apply_body_plan(graph, level.bodies)
+    elif level.loops is not None:
         rewritten = with_loop_plan(graph, level.loops, level.recompute, level.offload)[0]
     elif level.segments is not None:
         rewritten = _apply_segments(analysis, level.segments, graph, find_residuals(graph))

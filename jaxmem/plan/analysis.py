@@ -26,6 +26,7 @@ import numpy as np
 from jaxmem.errors import ShapeOutOfRangeError
 from jaxmem.graph import Graph, build_graph
 from jaxmem.perf import gc_paused
+from jaxmem.plan.bodies import add_body_levels
 from jaxmem.plan.levels import PlanSet, plan_levels
 from jaxmem.plan.offload import Costs, costs_for, offload_supported
 from jaxmem.schedulers import ScheduleGraph, Scheduler, validate_order
@@ -99,6 +100,7 @@ def derive_plans(inputs: PlanInputs) -> tuple[PlanSet, Orders]:
     """The levels and each level's validated order: the expensive part of an analysis."""
     plans = plan_levels(inputs.graph, inputs.domain, symbolic=inputs.symbolic,
                         donated=inputs.donated, offload=inputs.offload, costs=inputs.costs)
+    plans = add_body_levels(plans, inputs.graph, symbolic=inputs.symbolic, donated=inputs.donated)
     scheduler, domain = inputs.scheduler, inputs.domain
     orders = tuple(validate_order(level.graph, scheduler.order(ScheduleGraph(level.graph, domain)))
                    if scheduler is not None else None for level in plans.levels)

@@ -35,6 +35,13 @@ from jaxmem.exprjson import ExprTable, UnencodableError, decode_table
 from jaxmem.graph import Graph
 from jaxmem.memory import Buffer, MemoryModel
 from jaxmem.plan.analysis import Orders
+from jaxmem.plan.bodies import (
+    BodyLevel,
+    apply_body_plan,
+    body_scans,
+    decode_body_plan,
+    encode_body_plan,
+)
 from jaxmem.plan.levels import Level, PlanSet
 from jaxmem.plan.loops import LoopPlan, with_loop_plan
 from jaxmem.plan.offload import Costs
@@ -89,6 +96,7 @@ def _encode_level(level: Level, t: ExprTable) -> dict[str, Any]:
             [list(d) for d in level.loops.drop], level.loops.saved_primitive,
             level.loops.label, None if level.loops.saved_ordinals is None
             else [list(o) for o in level.loops.saved_ordinals]],
+        "bodies": encode_body_plan(level.bodies) if isinstance(level, BodyLevel) else None,
         "memory": {
             "buffers": [[b.value, t.add(b.nbytes), b.start, b.end, b.kind, b.note]
                         for b in m.buffers],
@@ -151,6 +159,8 @@ def _decode_level(d: dict[str, Any], graph: Graph, residuals: tuple[Residual, ..
                   exprs: list[sympy.Basic]) -> Level:
     if d.get("loops") is not None:  # residual ids are the loop-rewritten graph's
         return _decode_loop_level(d, graph, exprs)
+    if d.get("bodies") is not None:
+        return _decode_body_level(d, graph, exprs)
     chosen, moved = pick(d["residuals"]), pick(d["offloaded"])
     seg = d["segments"]
     segments = None if seg is None else SegmentPlan(int(seg[0]), frozenset(seg[1]),
@@ -182,6 +192,18 @@ def _decode_loop_level(d: dict[str, Any], graph: Graph, exprs: list[sympy.Basic]
                               f"says {d['graph']}")
     return Level(recompute, chosen, g2, _decode_memory(d["memory"], exprs), exprs[d["flops"]],
                  tuple(d["offload"]), moved, loops=plan)
+
+
+def _decode_body_level(d: dict[str, Any], graph: Graph, exprs: list[sympy.Basic]) -> Level:
+    plan = decode_body_plan(d["bodies"])
+    if len(body_scans(graph)) != len(plan.rules):
+        raise StaleEntryError("entry's scan-body plan does not fit this trace's scans")
+    g2 = apply_body_plan(graph, plan)
+    if _size(g2) != d["graph"]:
+        raise StaleEntryError(f"body level rebuilt with {_size(g2)} nodes/values, the entry "
+                              f"says {d['graph']}")
+    return BodyLevel(tuple(d["recompute"]), (), g2, _decode_memory(d["memory"], exprs),
+                     exprs[d["flops"]], bodies=plan)
 
 
 def _decode_memory(d: dict[str, Any], exprs: list[sympy.Basic]) -> MemoryModel:
