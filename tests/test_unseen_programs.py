@@ -1,0 +1,39 @@
+"""bench.unseen_programs: programs written apart from jaxmem run under ``jaxmem.jit``
+exactly as under ``jax.jit`` at their deepest level; at full size XLA puts that level's
+peak below level 0's."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jaxmem
+from bench.unseen_programs import CASES
+
+
+def _check_deepest_level(name: str, quick: bool) -> None:
+    case = CASES[name](quick)
+    args = (case.state, *case.data)
+    f = jaxmem.jit(case.step, polymorphic_shapes=case.polymorphic_shapes,
+                   constraints=case.constraints)
+    levels = len(f.plans(*args).levels)
+    assert levels > 1, f"{name}: no level recomputes anything"
+    deepest = f.compile_level(levels - 1, *args)
+    if not quick:  # tiny shapes are all fixed overhead, where a level can cost a little
+        assert deepest.peak_bytes < f.compile_level(0, *args).peak_bytes
+    f.use_plan(deepest, *args)
+    got, want = f(*args), jax.jit(case.step)(*args)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_deepest_level_computes_the_step_of_jax_jit(name: str) -> None:
+    _check_deepest_level(name, quick=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_deepest_level_at_full_size_is_smaller_than_level_0(name: str) -> None:
+    _check_deepest_level(name, quick=False)
