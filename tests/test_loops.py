@@ -314,9 +314,10 @@ def test_matmuls_cheaper_to_rerun_than_to_stack_are_rerun_in_the_backward_loop()
 
 def test_a_step_is_predicted_slower_by_the_passes_over_what_its_loops_stack(planned, args):
     """``Level.step_s``: FLOPs at the device rate plus three passes over the bytes the
-    scans stack beyond the cache, counted here from the rewritten graphs' scan equations."""
+    scans stack beyond the cache, counted here from the rewritten graphs' scan equations,
+    plus the first touch of the temporary bytes (the memory model's, at these dims)."""
     _, plans = planned
-    costs = dataclasses.replace(plans.costs, cache_bytes=0.0)
+    costs = dataclasses.replace(plans.costs, cache_bytes=0.0, fresh_bytes_per_s=1e9)
     dims = {"b": B, "s": S}
     for level in plans.levels:
         scans = [n.eqn for n in level.graph.nodes if n.primitive == "scan"]
@@ -325,5 +326,7 @@ def test_a_step_is_predicted_slower_by_the_passes_over_what_its_loops_stack(plan
                       for e in scans for v in e.outvars[e.params["num_carry"]:])
         assert stacked > 0
         beyond = max(0, stacked - costs.cache_bytes)
-        want = costs.recompute_s(level.flops_fn(dims)) + 3 * beyond / costs.memory_bytes_per_s
+        temp = int(level.memory.temp_bytes.subs({sym("b"): B, sym("s"): S}))
+        want = (costs.recompute_s(level.flops_fn(dims)) + 3 * beyond / costs.memory_bytes_per_s
+                + temp / costs.fresh_bytes_per_s)
         assert level.step_s(dims, costs) == pytest.approx(want)

@@ -190,3 +190,37 @@ def test_residual_no_chain_rebuilds_can_still_be_offloaded():
     without = jaxmem.jit(dropout_step, polymorphic_shapes=(None, "b, 64", None),
                          constraints=("b <= 4096",), offload=False)
     assert not any(group in lv.recompute for lv in without.plans(w, rows(256), key).levels)
+
+
+def _faults_per_step(compiled: jax.stages.Compiled, *args: jax.Array) -> float:
+    import resource
+
+    for _ in range(2):
+        jax.block_until_ready(compiled(*args))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(3):
+        jax.block_until_ready(compiled(*args))
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3
+
+
+def _small_pages_only() -> bool:
+    """Whether anonymous memory is mapped in 4 KiB pages (transparent huge pages off or
+    on request only), which the fault counts below assume."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[always]" not in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or not _small_pages_only(),
+                    reason="the CPU runtime's allocator on Linux with 4 KiB pages")
+def test_cpu_faults_in_a_large_temporary_buffer_at_every_step():
+    """The premise of ``Costs.first_touch_s``: each execution's temporaries (here a
+    128 MiB block) are faulted in page by page, the kernel's count says, at every step."""
+    x, w = jnp.ones((128 * 1024, 256)), jnp.ones((256, 8))
+    compiled = jax.jit(lambda x, w: (jnp.sin(x) @ w).sum() + jnp.sin(x).sum()).lower(
+        x, w).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp >= x.nbytes and _faults_per_step(compiled, x, w) >= 0.8 * temp / 4096
+    assert costs_for("cpu").first_touch_s(temp) > 0 == costs_for("gpu").first_touch_s(temp)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -82,11 +83,21 @@ class Level:
 
     def step_s(self, dims: Mapping[str, int], costs: Costs) -> float:
         """Predicted seconds of one step at ``dims``: its FLOPs (recomputation included)
-        at ``costs``' rate, the passes over what its loops stack, and the round trips of
-        what it offloads."""
+        at ``costs``' rate, the passes over what its loops stack, the first touch of its
+        temporary buffer, and the round trips of what it offloads."""
         moved = costs.transfer_s(self.offload_bytes_fn(dims)) if self.offloaded else 0.0
-        return (costs.recompute_s(self.flops_fn(dims)) + moved
+        fresh = 0.0
+        if costs.fresh_bytes_per_s < math.inf:
+            fresh = costs.first_touch_s(self.peak_fn(dims) - self.fixed_bytes_fn(dims))
+        return (costs.recompute_s(self.flops_fn(dims)) + moved + fresh
                 + costs.stacking_s(self.stacked_bytes_fn(dims)))
+
+    @functools.cached_property
+    def fixed_bytes_fn(self) -> Callable[..., Any]:
+        """Arguments plus outputs less aliased bytes: the peak's part that is no
+        temporary, as a numeric function of the dims."""
+        m = self.memory
+        return _numeric(sympy.sympify(m.argument_bytes + m.output_bytes - m.alias_bytes))
 
     @functools.cached_property
     def flops_fn(self) -> Callable[..., Any]:

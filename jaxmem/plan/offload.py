@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -44,12 +45,16 @@ class Costs:
         memory_bytes_per_s: sustained bandwidth of device memory, which a loop's stacked
             residuals cross three times (filled, written, read back).
         cache_bytes: the last-level cache, within which those passes cost next to nothing.
+        fresh_bytes_per_s: rate at which a step's temporary buffer, allocated anew by
+            each execution, is mapped and zeroed by the OS as the step first touches
+            it; infinite where the runtime keeps a memory pool (GPU, TPU).
     """
 
     flops_per_s: float
     host_bytes_per_s: float
     memory_bytes_per_s: float = 3e12
     cache_bytes: float = 5e7
+    fresh_bytes_per_s: float = math.inf
 
     def recompute_s(self, flops: float) -> float:
         """Time to re-run ``flops`` of forward work."""
@@ -71,6 +76,20 @@ class Costs:
         """
         return max(0.0, nbytes - self.cache_bytes) * self.stacked_byte_s
 
+    def first_touch_s(self, temp_bytes: float) -> float:
+        """Time a step spends faulting in its temporary buffer of ``temp_bytes``.
+
+        XLA's CPU runtime allocates each execution's temporaries as one block, and
+        glibc maps a block above its mmap threshold (at most 32 MiB) afresh each time,
+        so every page of it is faulted in and zeroed by the kernel: 0.5-0.8 ns of
+        system time per byte measured here (a 256 MiB temp: 65536 faults and 163 ms a
+        step). Smaller blocks are faulted in part or in full, depending on what the
+        process freed before; all are counted. Saving a residual instead of re-running
+        it costs these bytes too: at (16, 512) a 4-layer GPT that saves everything
+        took more CPU time than one that keeps two fifths of it.
+        """
+        return temp_bytes / self.fresh_bytes_per_s
+
     @property
     def stacked_byte_s(self) -> float:
         """Seconds one more stacked byte costs once the stacks outgrow the cache."""
@@ -79,10 +98,11 @@ class Costs:
 
 # Order-of-magnitude figures: an H100/H200-class GPU at a sustained fraction of its
 # dense rate, HBM bandwidth and L2, over PCIe Gen5; a TPU v5-class chip; two CPU cores
-# with a 32 MiB L3 (memory: what a stacking scan reached here, docs/notes.md). Only
-# their ratios matter, and only where a residual could go either way.
+# with a 32 MiB L3 (memory: what a stacking scan reached here, docs/notes.md; fresh
+# pages: 0.6 ns of kernel time a byte, faulted by two threads). Only their ratios
+# matter, and only where a residual could go either way.
 _COSTS = {"gpu": Costs(4e14, 5e10, 3e12, 5e7), "tpu": Costs(2e14, 5e10, 8e11, 0.0),
-          "cpu": Costs(1e11, 1e10, 4e9, 3.2e7)}
+          "cpu": Costs(1e11, 1e10, 4e9, 3.2e7, 3e9)}
 
 
 def costs_for(backend: str) -> Costs:
