@@ -317,7 +317,8 @@ def test_a_step_is_predicted_slower_by_the_passes_over_what_its_loops_stack(plan
     scans stack beyond the cache, counted here from the rewritten graphs' scan equations,
     plus the first touch of the temporary bytes (the memory model's, at these dims)."""
     _, plans = planned
-    costs = dataclasses.replace(plans.costs, cache_bytes=0.0, fresh_bytes_per_s=1e9)
+    costs = dataclasses.replace(plans.costs, cache_bytes=0.0, fresh_bytes_per_s=1e9,
+                                fresh_above_bytes=0.0)
     dims = {"b": B, "s": S}
     for level in plans.levels:
         scans = [n.eqn for n in level.graph.nodes if n.primitive == "scan"]

@@ -1,7 +1,8 @@
 """Which level runs at a shape: one pure function over the plan set, the dims and the budget.
 
 At each shape the plan set ranks its levels by predicted step time there
-(``order_at``: fastest first; level 0 saves every residual and is the fastest).
+(``order_at``: fastest first; level 0 saves every residual, the fastest but where
+its temporaries' page faults cost more than the re-runs, as on a CPU at large shapes).
 :func:`select_level` starts at the fastest level whose guard ``peak(dims) <=
 budget`` holds and asks ``compile`` — XLA, in ``jaxmem.jit`` — for each
 candidate's real peak: on down the ranking while XLA says it does not fit, then
