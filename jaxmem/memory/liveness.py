@@ -29,6 +29,7 @@ from jaxmem.memory.fusion import (
     used_nodes,
 )
 from jaxmem.memory.precision import buffer_sizes, operand_copies
+from jaxmem.memory.windows import conv_copies, window_broadcasts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +90,9 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
                              reuse_end, in_output, size)
     for x in (*transposed_copies(graph, order, owner, size),
               *epilogue_broadcasts(graph, order, owner, first_def),
-              *operand_copies(graph, order, owner, backend, widened)):
+              *operand_copies(graph, order, owner, backend, widened),
+              *conv_copies(graph, order, size),
+              *window_broadcasts(graph, order, used, backend)):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
     return tuple(buffers)
 
