@@ -316,7 +316,8 @@ def _canonical_dot_operands(dims: tuple, ranks: tuple[int, int]) -> tuple[bool, 
 
 
 def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
-                      size: Callable[[int], sympy.Expr] | None = None) -> list[Extra]:
+                      size: Callable[[int], sympy.Expr] | None = None,
+                      reads: set[tuple[int, int]] | None = None) -> list[Extra]:
     """Copies of dot operands XLA has to transpose (see ``_canonical_dot_operands``).
 
     In a train step these are transposed activations for the weight-gradient
@@ -324,8 +325,10 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
     until the last dot that needs it (XLA's CSE), made when XLA's breadth-first
     CPU scheduler makes it (:func:`copy_start`). ``size``: a value's buffer
     bytes where they differ from the jaxpr's (float32 buffers of low-precision
-    values, :mod:`jaxmem.memory.precision`).
+    values, :mod:`jaxmem.memory.precision`). ``reads``, when given, gets each
+    ``(dot node, operand)`` read through a copy (the dot does not read the original).
     """
+    reads = set() if reads is None else reads
     size = size or (lambda v: graph.values[v].nbytes)
     spans: dict[int, list[int]] = {}
     pos = {n: p for p, n in enumerate(order)}
@@ -347,6 +350,7 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
         for v, fine in zip(vals, ok, strict=True):
             if fine or len(v.shape) < 2:
                 continue
+            reads.add((ni, v.id))
             span = spans.setdefault(v.id, [min(copy_start(graph, pos, v.id, p), p), p])
             span[1] = p
     return [Extra(v, size(v), a, b, "transposed copy")
