@@ -341,3 +341,26 @@ def test_a_row_statistic_of_the_dots_own_result_is_no_epilogue_operand() -> None
         actual = jaxmem.xla_peak_bytes(compiled)
         predicted = int(m.peak_bytes.subs(S, n))
         assert abs(predicted - actual) <= 0.05 * actual, (n, actual, predicted)
+
+
+def _expert_mlp_gradient(x, w1, w2, gate):
+    """An MoE MLP's weight gradients: the ReLU'd expert activations are read only by dots
+    that need them transposed (``[b, s, e, f]`` with ``e`` as the batch dim)."""
+    def loss(w1, w2):
+        h = jax.nn.relu(jnp.einsum("bsd,edf->bsef", x, w1))
+        return (jnp.einsum("bsef,efd,bse->bsd", h, w2, gate) ** 2).sum()
+    return jax.grad(loss, argnums=(0, 1))(w1, w2)
+
+
+def test_an_operand_only_copies_read_dies_when_its_copies_are_made() -> None:
+    # The old rule kept the activations (and the expert dot's result, also read only
+    # through copies) for as long as their copies: +19.5 / +22.8 % at b = 4 / 16.
+    (b,) = jax.export.symbolic_shape("b", constraints=("b <= 64",))
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    specs = lambda n: (f32(n, 64, 64), f32(4, 64, 128), f32(4, 128, 64), f32(n, 64, 4))  # noqa: E731
+    m = memory_model(graph_of(_expert_mlp_gradient, *specs(b)),
+                     ShapeDomain.from_constraints(("b",), ("b <= 64",)))
+    for n in (4, 16):
+        actual = jaxmem.xla_peak_bytes(jax.jit(_expert_mlp_gradient).lower(*specs(n)).compile())
+        predicted = int(m.peak_bytes.subs(B, n))
+        assert abs(predicted - actual) <= 0.03 * actual, (n, actual, predicted)

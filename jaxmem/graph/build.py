@@ -202,6 +202,12 @@ def _params(eqn: Any) -> tuple[tuple[str, Any], ...]:
         # Kept so the memory model can tell which operands XLA must transpose.
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
         return (("dimension_numbers", ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))),)
+    if name == "conv_general_dilated":  # which operands XLA must transpose
+        dn = eqn.params["dimension_numbers"]
+        return (("lhs_spec", tuple(dn.lhs_spec)), ("rhs_spec", tuple(dn.rhs_spec)))
+    if name.startswith("reduce_window"):  # whether XLA's CPU library takes the window
+        return tuple((k, tuple(eqn.params[k])) for k in (
+            "window_dimensions", "window_strides", "base_dilation", "window_dilation"))
     return ()
 
 

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import sympy
 
 from jaxmem.graph import EXPENSIVE, Graph, Node
+from jaxmem.memory.library import pooling_fusions
 
 
 class Extra(NamedTuple):
@@ -47,19 +48,18 @@ def materialised(graph: Graph) -> dict[int, int]:
     buffer, unless it is an output, feeds an op that needs its operands in
     memory (dots, gathers, control flow, ...), or is read by more than one
     consumer and is expensive to recompute (``EXPENSIVE``) or one of its readers
-    is a reduction.
+    is a reduction. A pad only windows read is folded into them (a view).
     """
-    consumers = graph.consumers
-    nodes = graph.nodes
-    outputs = set(graph.outputs)
+    consumers, nodes, outputs = graph.consumers, graph.nodes, set(graph.outputs)
     owner: dict[int, int] = {v: v for v in graph.inputs}
-    sunk = _sunk_broadcasts(graph)
+    sunk, folded = _sunk_broadcasts(graph), _folded_pads(graph)
+    pooled, pool_operands = pooling_fusions(graph)
 
     def real_consumer_kinds(v: int) -> list[str]:
         kinds = []
         for c in consumers.get(v, ()):
             n = nodes[c]
-            if n.kind == "view" and n.primitive != "optimization_barrier":
+            if (n.kind == "view" and n.primitive != "optimization_barrier") or c in folded:
                 for o in n.outputs:
                     kinds.extend(real_consumer_kinds(o) or (["output"] if o in outputs else []))
             else:
@@ -67,7 +67,7 @@ def materialised(graph: Graph) -> dict[int, int]:
         return kinds
 
     for n in nodes:
-        if n.kind == "view":
+        if n.kind == "view" or n.index in folded:
             for i, o in enumerate(n.outputs):
                 src = n.inputs[i] if i < len(n.inputs) else (n.inputs[0] if n.inputs else None)
                 owner[o] = owner.get(src, o) if src is not None else o
@@ -75,8 +75,11 @@ def materialised(graph: Graph) -> dict[int, int]:
                     owner[o] = o
             continue
         for o in n.outputs:
-            if n.kind != "elementwise" or o in outputs:
-                owner[o] = o
+            if n.kind != "elementwise" or o in outputs or o in pool_operands:
+                owner[o] = o  # (a CPU library pooling fusion reads its operands from memory)
+                continue
+            if o in pooled:  # computed inside such a fusion
+                owner[o] = -1
                 continue
             if n.primitive == "transpose" and _only_dots(graph, o):
                 owner[o] = -1  # folded into the dots' dimension numbers (TransposeFolding)
@@ -95,6 +98,16 @@ def materialised(graph: Graph) -> dict[int, int]:
                                              and _effectively_unary(graph, n))
             owner[o] = -1 if (fusible and duplicable) else o
     return owner
+
+
+def _folded_pads(graph: Graph) -> frozenset[int]:
+    """Pads only windows read: XLA folds them into the window (a pool's transpose pads its
+    cotangent for a stride-1 window), which reads the unpadded buffer in place."""
+    consumers, nodes = graph.consumers, graph.nodes
+    return frozenset(n.index for n in nodes if n.primitive == "pad" and n.outputs
+                     and consumers.get(n.outputs[0])
+                     and all(nodes[c].primitive.startswith("reduce_window")
+                             for c in consumers[n.outputs[0]]))
 
 
 def _sunk_broadcasts(graph: Graph) -> frozenset[int]:
@@ -303,16 +316,19 @@ def _canonical_dot_operands(dims: tuple, ranks: tuple[int, int]) -> tuple[bool, 
 
 
 def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
-                      size: Callable[[int], sympy.Expr] | None = None) -> list[Extra]:
+                      size: Callable[[int], sympy.Expr] | None = None,
+                      reads: set[tuple[int, int]] | None = None) -> list[Extra]:
     """Copies of dot operands XLA has to transpose (see ``_canonical_dot_operands``).
 
     In a train step these are transposed activations for the weight-gradient
     dots, which raise XLA's peak at large shapes. One copy per operand, shared
     until the last dot that needs it (XLA's CSE), made when XLA's breadth-first
-    CPU scheduler makes it (:func:`_copy_start`). ``size``: a value's buffer
+    CPU scheduler makes it (:func:`copy_start`). ``size``: a value's buffer
     bytes where they differ from the jaxpr's (float32 buffers of low-precision
-    values, :mod:`jaxmem.memory.precision`).
+    values, :mod:`jaxmem.memory.precision`). ``reads``, when given, gets each
+    ``(dot node, operand)`` read through a copy (the dot does not read the original).
     """
+    reads = set() if reads is None else reads
     size = size or (lambda v: graph.values[v].nbytes)
     spans: dict[int, list[int]] = {}
     pos = {n: p for p, n in enumerate(order)}
@@ -334,13 +350,14 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
         for v, fine in zip(vals, ok, strict=True):
             if fine or len(v.shape) < 2:
                 continue
-            span = spans.setdefault(v.id, [min(_copy_start(graph, pos, v.id, p), p), p])
+            reads.add((ni, v.id))
+            span = spans.setdefault(v.id, [min(copy_start(graph, pos, v.id, p), p), p])
             span[1] = p
     return [Extra(v, size(v), a, b, "transposed copy")
             for v, (a, b) in spans.items()]
 
 
-def _copy_start(graph: Graph, pos: dict[int, int], v: int, first_dot: int) -> int:
+def copy_start(graph: Graph, pos: dict[int, int], v: int, first_dot: int) -> int:
     """Where XLA makes the transposed copy of dot operand ``v`` (first read at ``first_dot``).
 
     XLA's breadth-first CPU scheduler runs the copy as soon as its operand is

@@ -1,0 +1,97 @@
+"""Which pooling windows XLA's CPU backend hands to its library (YNN), and what fuses with them.
+
+XLA's CPU ``LibraryRewriter`` runs a ``reduce-window`` that tiles its input (every
+window dim of size > 1 strides by its size, no dilation: ``avg_pool``, ``max_pool``;
+``ynn_support.cc``: ``IsReduceLikeOpSupportedByYnn``) as one library fusion. The fusion
+grows up through elementwise producers all of whose readers it already holds, and down
+through a chain of single readers. Inside it nothing is materialised; what it reads
+from outside is (a producer shared with another reader, such as the pre-ReLU value
+the ReLU's gradient reads again, gets its own buffer). :func:`pooling_fusions` gives
+:func:`jaxmem.memory.fusion.materialised` both sets;
+:func:`jaxmem.memory.windows.window_broadcasts` the constant operands such a fusion reads.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem.graph import build_graph
+    >>> pool = lambda x: jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 2, 2, 1),
+    ...                                         (1, 2, 2, 1), "VALID")
+    >>> g = build_graph(jax.make_jaxpr(lambda x: pool(jnp.tanh(x)) + x.sum())(
+    ...     jnp.ones((2, 8, 8, 4))))
+    >>> fused, kept = pooling_fusions(g)
+    >>> [g.nodes[g.producers[v]].primitive for v in fused], sorted(kept)
+    (['tanh'], [])
+"""
+
+from __future__ import annotations
+
+from jaxmem.graph import Graph, Node
+
+# Elementwise primitives the CPU library fuses (``ynn_support.cc``: its unary and binary
+# operator tables); a fusion grows through no other.
+_LIBRARY_ELEMENTWISE = frozenset("""
+abs ceil convert_element_type cos erf exp expm1 floor log log1p logistic neg round rsqrt
+sign sin sqrt tanh tan add div max min mul pow sub integer_pow square
+""".split())
+_WINDOWS = frozenset({"reduce_window_sum", "reduce_window_max", "reduce_window_min"})
+_LIBRARY_DTYPES = frozenset({"float32", "float64"})
+
+
+def library_window(graph: Graph, node: Node) -> bool:
+    """Whether XLA's CPU library runs this window (``IsReduceLikeOpSupportedByYnn``)."""
+    params = dict(node.params)
+    if node.primitive not in _WINDOWS or "window_dimensions" not in params or not node.inputs:
+        return False
+    if graph.values[node.inputs[0]].dtype not in _LIBRARY_DTYPES:
+        return False
+    dims, strides = params["window_dimensions"], params["window_strides"]
+    tiled = [(d, s) for d, s in zip(dims, strides, strict=True) if d > 1 or s > 1]
+    return (bool(tiled) and all(d == 1 or d == s for d, s in tiled)
+            and all(x == 1 for x in (*params["base_dilation"], *params["window_dilation"])))
+
+
+def pooling_region(graph: Graph, window: Node) -> set[int]:
+    """The window and the elementwise ops XLA's library fuses with it: producers whose
+    every reader is in the fusion, then the chain of single readers after it."""
+    consumers, producers, nodes = graph.consumers, graph.producers, graph.nodes
+    region = {window.index}
+    frontier = [window.inputs[0]]
+    while frontier:
+        v = frontier.pop()
+        p = producers.get(v)
+        if (p is None or nodes[p].primitive not in _LIBRARY_ELEMENTWISE
+                or not all(c in region for c in consumers.get(v, ()))):
+            continue
+        region.add(p)
+        frontier.extend(nodes[p].inputs)
+    out = window.outputs[0]
+    while len(consumers.get(out, ())) == 1:
+        c = nodes[consumers[out][0]]
+        if c.primitive not in _LIBRARY_ELEMENTWISE or not c.outputs:
+            break
+        region.add(c.index)
+        out = c.outputs[0]
+    return region
+
+
+def pooling_fusions(graph: Graph) -> tuple[frozenset[int], frozenset[int]]:
+    """``(fused, kept)``: values computed inside a library pooling fusion before its window
+    (no buffer), and elementwise values such a fusion reads from outside (a buffer of
+    their own, even where XLA would otherwise recompute them in each reader). Broadcast
+    constants are not kept here (see :func:`jaxmem.memory.windows.window_broadcasts`)."""
+    nodes, producers, outputs = graph.nodes, graph.producers, set(graph.outputs)
+    fused: set[int] = set()
+    kept: set[int] = set()
+    for w in nodes:
+        if not library_window(graph, w):
+            continue
+        region = pooling_region(graph, w)
+        for ni in region:
+            n = nodes[ni]
+            if ni < w.index:
+                fused.update(o for o in n.outputs if o not in outputs)
+            for v in n.inputs:
+                p = producers.get(v)
+                if (p is not None and p not in region and nodes[p].kind == "elementwise"
+                        and nodes[p].primitive not in ("broadcast_in_dim", "iota")):
+                    kept.add(v)
+    return frozenset(fused), frozenset(kept - fused)

@@ -1,0 +1,149 @@
+"""Buffers XLA's CPU backend adds around convolutions and pooling windows.
+
+Two rules, both read from buffer assignments of a Flax convnet (jax 0.10.2, CPU):
+
+* :func:`conv_copies`: XLA's CPU convolution reads its input as ``[batch, spatial...,
+  feature]`` and its kernel as ``[spatial..., in, out]``. An operand laid out otherwise
+  (the weight gradient's: the activation with its features as the batch, the cotangent
+  as the kernel; the input gradient's kernel, in and out swapped) is first copied into
+  that order, as a dot's operand is (:func:`jaxmem.memory.fusion.transposed_copies`).
+* :func:`window_broadcasts`: a pooling window that tiles its input (every window dim
+  of size > 1 strides by its size, no dilation: ``avg_pool``, ``max_pool``) runs in
+  XLA's CPU library (YNN) as one fusion with its elementwise neighbours. Such a fusion
+  reads a scalar constant of those ops as a materialised full-size operand when XLA's
+  CSE shares the constant's broadcast with another op of the program (the ReLU's 0
+  with its gradient's ``select``, ``avg_pool``'s divisor with its transpose's), from
+  the start of the program (it reads no argument) until the fusion runs.
+
+The backward pass of a pool pads its cotangent for a stride-1 window
+(``pad`` then ``reduce_window``); XLA folds the pad into the window, so the padded
+value takes no buffer (:func:`jaxmem.memory.fusion.materialised`).
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem.graph import build_graph
+    >>> conv = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+    ...     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    >>> f = lambda x, w: jax.grad(lambda w: conv(x, w).sum())(w)
+    >>> g = build_graph(jax.make_jaxpr(f)(jnp.ones((2, 8, 8, 3)), jnp.ones((3, 3, 3, 4))))
+    >>> order = list(range(len(g.nodes)))
+    >>> [g.values[x.value].shape for x in conv_copies(g, order, lambda v: v)]
+    [(2, 8, 8, 3), (2, 8, 8, 4)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import sympy
+
+from jaxmem.graph import Graph, Node
+from jaxmem.memory.fusion import Extra, copy_start
+from jaxmem.memory.library import library_window, pooling_region
+
+
+def conv_copies(graph: Graph, order: Sequence[int],
+                size: Callable[[int], sympy.Expr]) -> list[Extra]:
+    """Copies of convolution operands XLA's CPU convolution cannot read as laid out.
+
+    One copy per operand, shared by every convolution reading it the same way, made
+    when XLA's breadth-first scheduler makes it (:func:`copy_start`). ``size``: a
+    value's buffer bytes.
+    """
+    pos = {n: p for p, n in enumerate(order)}
+    spans: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for p, ni in enumerate(order):
+        node = graph.nodes[ni]
+        params = dict(node.params)
+        if node.primitive != "conv_general_dilated" or "lhs_spec" not in params:
+            continue
+        for v, spec, canonical in zip(node.inputs[:2], (params["lhs_spec"], params["rhs_spec"]),
+                                      (_input_layout, _kernel_layout), strict=False):
+            if tuple(spec) == canonical(len(spec)):
+                continue
+            span = spans.setdefault((v, tuple(spec)), [min(copy_start(graph, pos, v, p), p), p])
+            span[1] = p
+    return [Extra(v, size(v), a, b, "convolution operand copy")
+            for (v, _), (a, b) in spans.items()]
+
+
+def _input_layout(rank: int) -> tuple[int, ...]:
+    """``lhs_spec`` of an input read in place: batch first, feature last (NHWC)."""
+    return (0, rank - 1, *range(1, rank - 1))
+
+
+def _kernel_layout(rank: int) -> tuple[int, ...]:
+    """``rhs_spec`` of a kernel read in place: spatial dims first, then in, out (HWIO)."""
+    return (rank - 1, rank - 2, *range(rank - 2))
+
+
+def window_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[bool],
+                      backend: str) -> list[Extra]:
+    """Full-size constant operands of the CPU library's pooling fusions (module docstring).
+
+    Not modelled: the library's size threshold (4096 elements, which XLA decides at
+    each shape; the rule assumes every pool is that large).
+    """
+    if backend != "cpu":
+        return []
+    pos = {n: p for p, n in enumerate(order)}
+    windows = [n for n in graph.nodes if used[n.index] and library_window(graph, n)]
+    if not windows:
+        return []
+    users: dict[tuple, list[int]] = {}
+    for n in graph.nodes:
+        if used[n.index]:
+            for key in _constant_operands(graph, n):
+                users.setdefault(key, []).append(n.index)
+    out = []
+    for w in windows:
+        region = pooling_region(graph, w)
+        keys = {k for ni in region for k in _constant_operands(graph, graph.nodes[ni])}
+        for key in keys:
+            if any(u not in region for u in users[key]):  # XLA's CSE shares it outside
+                _, shape, itemsize = key
+                out.append(Extra(w.inputs[0], sympy.expand(itemsize * sympy.Mul(*shape)), 0,
+                                 pos[w.index], "pooling fusion constant operand"))
+    return out
+
+
+def _constant_operands(graph: Graph, node: Node, fold: bool = True) -> list[tuple]:
+    """``(constant, shape, itemsize)`` of each scalar constant elementwise ``node`` reads at
+    its own shape: a literal operand, or an operand broadcast from one."""
+    if (not node.outputs or node.kind != "elementwise"
+            or node.primitive in ("broadcast_in_dim", "pad", "concatenate")):
+        return []
+    out = graph.values[node.outputs[0]]
+    if not out.shape:
+        return []
+    itemsize = out.nbytes / sympy.Mul(*out.shape)
+    atoms = list(node.eqn.invars) if node.eqn is not None else []
+    for v in node.inputs:
+        p = graph.producers.get(v)
+        b = graph.nodes[p] if p is not None else None
+        if b is not None and b.primitive == "broadcast_in_dim" and not b.inputs and b.eqn:
+            atoms.append(b.eqn.invars[0])
+    if fold and node.primitive in ("mul", "div") and any(_scaled(graph, v) for v in node.inputs):
+        return []  # XLA's simplifier folds c1 * (c2 * x) into one constant
+    keys = []
+    for atom in atoms:
+        val = getattr(atom, "val", None)
+        if val is not None and getattr(val, "shape", ()) == ():
+            keys.append((float(val), out.shape, itemsize))
+    return keys
+
+
+def _scaled(graph: Graph, v: int, hops: int = 4) -> bool:
+    """Whether ``v`` is a product (or quotient) by a scalar constant, seen through
+    broadcasts and reshapes (which XLA's simplifier moves the constant across)."""
+    for _ in range(hops):
+        p = graph.producers.get(v)
+        if p is None:
+            return False
+        n = graph.nodes[p]
+        if n.primitive in ("mul", "div"):
+            return bool(_constant_operands(graph, n, fold=False))
+        if n.primitive not in ("broadcast_in_dim", "reshape") or not n.inputs:
+            return False
+        v = n.inputs[0]
+    return False
