@@ -27,6 +27,7 @@ from typing import NamedTuple
 import sympy
 
 from jaxmem.graph import EXPENSIVE, Graph, Node
+from jaxmem.memory.fillers import sunk_broadcasts
 from jaxmem.memory.library import pooling_fusions
 
 
@@ -52,7 +53,7 @@ def materialised(graph: Graph) -> dict[int, int]:
     """
     consumers, nodes, outputs = graph.consumers, graph.nodes, set(graph.outputs)
     owner: dict[int, int] = {v: v for v in graph.inputs}
-    sunk, folded = _sunk_broadcasts(graph), _folded_pads(graph)
+    sunk, folded = sunk_broadcasts(graph), _folded_pads(graph)
     pooled, pool_operands = pooling_fusions(graph)
 
     def real_consumer_kinds(v: int) -> list[str]:
@@ -108,31 +109,6 @@ def _folded_pads(graph: Graph) -> frozenset[int]:
                      and consumers.get(n.outputs[0])
                      and all(nodes[c].primitive.startswith("reduce_window")
                              for c in consumers[n.outputs[0]]))
-
-
-def _sunk_broadcasts(graph: Graph) -> frozenset[int]:
-    """Broadcasts of a constant scalar whose loops run them inside.
-
-    Lowered to HLO, a broadcast of a constant that a loop reads is moved into the
-    loop's body (it is there in the HLO before XLA's passes), where it fuses into its
-    readers; outside, no buffer holds it (a causal mask's filler: two 32 MiB
-    broadcasts at (8, 512) that gpt-scan's loops read, absent from XLA's loop state).
-    A value computed from an ``iota``, like the mask itself, stays. Not modelled: in
-    the user's own function (level 0) a broadcast that a call returns (``jnp.where``'s
-    ``jit``) stays in the loop's state; only the rewritten graphs, lowered flat, have
-    the broadcast itself feed the loop. Level 0 of gpt-scan at (2, 64) is then
-    under-predicted by its 64 KiB (-8.3 % where -7.3 % without the rule).
-    """
-    constant, producers, consumers = graph.constant, graph.producers, graph.consumers
-    return frozenset(
-        n.outputs[0] for n in graph.nodes
-        if n.primitive == "broadcast_in_dim" and n.outputs[0] in constant
-        and all(len(graph.values[v].shape) == 0 for v in n.inputs[:1])
-        and all(graph.nodes[producers[v]].primitive != "iota" for v in n.inputs if v in producers)
-        and any(graph.nodes[c].primitive in _LOOPS for c in consumers.get(n.outputs[0], ())))
-
-
-_LOOPS = frozenset({"scan", "while"})
 
 
 def used_nodes(graph: Graph) -> list[bool]:
@@ -345,8 +321,9 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
         lhs, lc, lb = _through_transpose(graph, owner, node.inputs[0], lc, lb)
         rhs, rc, rb = _through_transpose(graph, owner, node.inputs[1], rc, rb)
         vals = [graph.values[lhs], graph.values[rhs]]
-        ok = _canonical_dot_operands(((lc, rc), (lb, rb)),
-                                     (len(vals[0].shape), len(vals[1].shape)))
+        (lc, lb, lr), (rc, rb, rr) = (_without_unit_dims(vals[0].shape, lc, lb),
+                                      _without_unit_dims(vals[1].shape, rc, rb))
+        ok = _canonical_dot_operands(((lc, rc), (lb, rb)), (lr, rr))
         for v, fine in zip(vals, ok, strict=True):
             if fine or len(v.shape) < 2:
                 continue
@@ -355,6 +332,16 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
             span[1] = p
     return [Extra(v, size(v), a, b, "transposed copy")
             for v, (a, b) in spans.items()]
+
+
+def _without_unit_dims(shape: tuple, contracting: tuple, batch: tuple
+                       ) -> tuple[tuple, tuple, int]:
+    """A dot operand's dims with its size-1 dims dropped (XLA bitcasts them away):
+    Flax NNX's scanned attention has probabilities ``[1, b, h, s, s]``, whose batch
+    dims are canonical once the leading 1 goes (XLA copies none of them for ``dV``)."""
+    keep = {d: k for k, d in enumerate(i for i, n in enumerate(shape) if n != 1)}
+    return (tuple(keep[d] for d in contracting if d in keep),
+            tuple(keep[d] for d in batch if d in keep), len(keep))
 
 
 def copy_start(graph: Graph, pos: dict[int, int], v: int, first_dot: int) -> int:
