@@ -177,20 +177,26 @@ def measure(name: str, case: Case) -> dict[str, Any]:
         plan = planned.plan_for(*args)
     except jaxmem.BudgetInfeasibleError as e:  # a row of its own, not a crash
         return {"program": name, "plain_peak_bytes": plain_bytes, "budget_bytes": budget,
-                "fits": False, "min_peak_bytes": e.min_peak_bytes, "levels": []}
+                "fits": False, "min_peak_bytes": e.min_peak_bytes,
+                "levels": _levels(planned, args)}
     plan_s = time.perf_counter() - t0
     got, want = planned(*args), plain(*args)
     diff = max(float(jnp.max(jnp.abs(x - y)))
                for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
+    return {"program": name, "plain_peak_bytes": plain_bytes, "budget_bytes": budget,
+            "level": plan.level, "peak_bytes": plan.peak_bytes,
+            "fits": plan.peak_bytes <= budget, "max_abs_diff": diff, "plan_s": plan_s,
+            "levels": _levels(planned, args)}
+
+
+def _levels(planned: jaxmem.Jitted, args: tuple[Any, ...]) -> list[dict[str, int]]:
+    """Every level's XLA peak and predicted peak at ``args``."""
     levels = []
     for k in range(len(planned.plans(*args).levels)):
         lv = planned.compile_level(k, *args)
         levels.append({"level": k, "peak_bytes": lv.peak_bytes,
                        "predicted_peak_bytes": lv.predicted_peak_bytes})
-    return {"program": name, "plain_peak_bytes": plain_bytes, "budget_bytes": budget,
-            "level": plan.level, "peak_bytes": plan.peak_bytes,
-            "fits": plan.peak_bytes <= budget, "max_abs_diff": diff, "plan_s": plan_s,
-            "levels": levels}
+    return levels
 
 
 def _error(lv: dict[str, int]) -> float:
@@ -216,11 +222,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else CASES[name](args.quick))
         row = measure(name, case)
         rows.append(row)
-        if not row["levels"]:
-            log(f"{name:11s} plain {row['plain_peak_bytes'] / 2**20:7.2f} MiB  no level fits "
-                f"(the smallest needs {row['min_peak_bytes'] / 2**20:.2f} MiB)")
-            continue
         errors = [_error(lv) for lv in row["levels"]]
+        if "level" not in row:
+            log(f"{name:11s} plain {row['plain_peak_bytes'] / 2**20:7.2f} MiB  no level fits "
+                f"(the smallest needs {row['min_peak_bytes'] / 2**20:.2f} MiB)  "
+                f"{len(errors)} levels, error median {np.median(np.abs(errors)):.1%} worst "
+                f"{max(errors, key=abs):+.1%}")
+            continue
         log(f"{name:11s} plain {row['plain_peak_bytes'] / 2**20:7.2f} MiB  level "
             f"{row['level']}: {row['peak_bytes'] / 2**20:6.2f} MiB fits={row['fits']}  "
             f"max |diff| {row['max_abs_diff']:.1e}  {row['plan_s']:.1f} s to plan  "
