@@ -36,6 +36,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from bench.programs import optax_step
+
 D, VOCAB = 64, 128
 
 
@@ -81,13 +83,21 @@ def _lm_loss(x: jax.Array, emb: jax.Array, tokens: jax.Array) -> jax.Array:
         x @ emb.T, jnp.roll(tokens, -1, 1)).mean()
 
 
-def _optax_step(loss: Callable[..., jax.Array], opt: optax.GradientTransformation
-                ) -> Callable[..., Any]:
-    def step(state: Any, *data: Any) -> Any:
-        params, opt_state = state
-        value, grads = jax.value_and_grad(loss)(params, *data)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), value
+def accumulation_step(loss: Callable[..., jax.Array], opt: optax.GradientTransformation
+                      ) -> Callable[..., Any]:
+    """``step((params, opt_state), microbatches)``: a ``lax.scan`` over the leading axis of
+    ``microbatches`` whose body runs ``value_and_grad(loss)`` and sums the gradients, then
+    one ``opt`` update; the loss is the microbatches' mean."""
+    def step(state: Any, microbatches: Any) -> Any:
+        p, opt_state = state
+
+        def body(total: Any, batch: Any) -> tuple[Any, jax.Array]:
+            value, grads = jax.value_and_grad(loss)(p, batch)
+            return jax.tree.map(jnp.add, total, grads), value
+
+        grads, values = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), microbatches)
+        updates, opt_state = opt.update(grads, opt_state, p)
+        return (optax.apply_updates(p, updates), opt_state), values.mean()
     return step
 
 
@@ -110,18 +120,7 @@ def accum_case(quick: bool) -> Case:
             x = x + jax.nn.gelu(_layer_norm(x, lp["g"], lp["b"]) @ lp["w1"]) @ lp["w2"]
         return _lm_loss(x, p["emb"], tokens)
 
-    def step(state: Any, microbatches: jax.Array) -> Any:
-        p, opt_state = state
-
-        def body(total: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
-            value, grads = jax.value_and_grad(loss)(p, tokens)
-            return jax.tree.map(jnp.add, total, grads), value
-
-        grads, values = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), microbatches)
-        updates, opt_state = opt.update(grads, opt_state, p)
-        return (optax.apply_updates(p, updates), opt_state), values.mean()
-
-    return Case(step, (params, opt.init(params)), (_tokens((4, b, s)),),
+    return Case(accumulation_step(loss, opt), (params, opt.init(params)), (_tokens((4, b, s)),),
                 (None, "4, b, s"), (f"b <= {b}", f"s <= {s}"))
 
 
@@ -147,7 +146,7 @@ def cnn_case(quick: bool) -> Case:
         return optax.softmax_cross_entropy_with_integer_labels(
             model.apply(p, images), labels).mean()
 
-    return Case(_optax_step(loss, opt), (params, opt.init(params)), (images, labels),
+    return Case(optax_step(loss, opt), (params, opt.init(params)), (images, labels),
                 (None, "b, 8*h, 8*h, 3", "b"), (f"b <= {b}", f"h <= {side // 8}"))
 
 
@@ -220,7 +219,7 @@ def moe_case(quick: bool) -> Case:
             x = x + jnp.einsum("bsef,efd,bse->bsd", hidden, lp["w2"], weights)
         return _lm_loss(x, p["emb"], tokens)
 
-    return Case(_optax_step(loss, opt), (params, opt.init(params)), (_tokens((b, s)),),
+    return Case(optax_step(loss, opt), (params, opt.init(params)), (_tokens((b, s)),),
                 (None, "b, s"), (f"b <= {b}", f"s <= {s}"))
 
 

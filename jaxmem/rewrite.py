@@ -34,8 +34,9 @@ from jaxmem.plan.analysis import Analysis, as_struct
 from jaxmem.plan.bodies import BodyLevel, apply_body_plan
 from jaxmem.plan.loops import with_loop_plan
 from jaxmem.plan.remat import apply_remat
-from jaxmem.plan.residuals import Residual, find_residuals
-from jaxmem.plan.segments import SegmentPlan, batch_inputs, find_segments, segment_residuals
+from jaxmem.plan.residuals import find_residuals
+from jaxmem.plan.segment_levels import apply_segment_plan
+from jaxmem.plan.segments import batch_inputs
 from jaxmem.schedulers import reorder
 
 
@@ -93,7 +94,8 @@ def rewrite_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tup
     elif level.loops is not None:
         rewritten = with_loop_plan(graph, level.loops, level.recompute, level.offload)[0]
     elif level.segments is not None:
-        rewritten = _apply_segments(analysis, level.segments, graph, find_residuals(graph))
+        rewritten = apply_segment_plan(graph, level.segments, batch_inputs(analysis.graph),
+                                       find_residuals(graph), "the concrete trace")
     else:
         residuals = find_residuals(graph)
         recompute, offload = set(level.recompute), set(level.offload)
@@ -116,14 +118,3 @@ def rewrite_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tup
     return Rewritten(rewritten, jax.tree_util.tree_structure(out_shape), enforced)
 
 
-def _apply_segments(analysis: Analysis, plan: SegmentPlan, graph: Graph,
-                    residuals: tuple[Residual, ...]) -> Graph:
-    """A segment level on the concrete trace: the cuts the planner kept, found again here."""
-    segs = find_segments(graph, batch=batch_inputs(analysis.graph))
-    if len(segs.cuts) != plan.n_cuts:
-        warnings.warn(f"jaxmem: the concrete trace has {len(segs.cuts)} forward cuts where the "
-                      f"symbolic one has {plan.n_cuts}; {plan.name} is not applied at this "
-                      "shape", JaxmemWarning, stacklevel=4)
-        return graph
-    chosen, keep = segment_residuals(graph, segs, plan, residuals)
-    return apply_remat(graph, chosen, (), residuals, keep, long_chains=True)

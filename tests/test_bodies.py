@@ -17,6 +17,7 @@ import optax
 import pytest
 
 import jaxmem
+from bench.unseen_programs import accumulation_step
 from jaxmem.graph import JaxmemWarning, build_graph
 from jaxmem.plan.bodies import BodyLevel, BodyPlan, apply_body_plan, body_scans
 from jaxmem.plan.stored import decode_plans, encode_plans
@@ -54,18 +55,9 @@ def _loss(p: dict, tokens: jax.Array) -> jax.Array:
         x @ p["emb"].T, jnp.roll(tokens, -1, 1)).mean()
 
 
-def _step(state: tuple, microbatches: jax.Array) -> tuple:
-    """Gradient accumulation: a scan over microbatches whose body runs the whole forward
-    and backward pass."""
-    p, opt_state = state
-
-    def body(total: dict, tokens: jax.Array) -> tuple[dict, jax.Array]:
-        value, grads = jax.value_and_grad(_loss)(p, tokens)
-        return jax.tree.map(jnp.add, total, grads), value
-
-    grads, values = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), microbatches)
-    updates, opt_state = OPT.update(grads, opt_state, p)
-    return (optax.apply_updates(p, updates), opt_state), values.mean()
+#: Gradient accumulation: a scan over microbatches whose body runs the whole forward and
+#: backward pass.
+_step = accumulation_step(_loss, OPT)
 
 
 def _args(b: int = B, s: int = S) -> tuple:
@@ -164,16 +156,7 @@ def _scanned_loss(p: dict, x: jax.Array) -> jax.Array:
     return (jax.lax.scan(layer, x, (p["w1"], p["w2"]))[0] ** 2).mean()
 
 
-def _scanned_step(state: tuple, xs: jax.Array) -> tuple:
-    p, opt_state = state
-
-    def body(total: dict, x: jax.Array) -> tuple[dict, jax.Array]:
-        value, grads = jax.value_and_grad(_scanned_loss)(p, x)
-        return jax.tree.map(jnp.add, total, grads), value
-
-    grads, values = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), xs)
-    updates, opt_state = OPT.update(grads, opt_state, p)
-    return (optax.apply_updates(p, updates), opt_state), values.mean()
+_scanned_step = accumulation_step(_scanned_loss, OPT)
 
 
 def test_loop_plans_inside_the_body():

@@ -52,7 +52,8 @@ from jaxmem.plan.offload import Costs
 from jaxmem.plan.pareto import on_frontier
 from jaxmem.plan.remat import apply_remat
 from jaxmem.plan.residuals import find_residuals, is_forward
-from jaxmem.plan.segments import SegmentPlan, batch_inputs, find_segments, segment_residuals
+from jaxmem.plan.segment_levels import apply_segment_plan
+from jaxmem.plan.segments import SegmentPlan, batch_inputs
 from jaxmem.symbolic import ShapeDomain, sym
 
 #: A body level must lower the step's peak by this share somewhere to be kept.
@@ -131,14 +132,8 @@ def rewrite_body(body: Graph, rule: BodyRule) -> Graph:
                           stacklevel=4)
         return apply_remat(body, [r for r in residuals if r.group in set(groups)], (),
                            residuals)
-    segs = find_segments(body, batch=rule.batch)
-    if len(segs.cuts) != segments.n_cuts:
-        warnings.warn(f"jaxmem: this trace's scan body has {len(segs.cuts)} forward cuts "
-                      f"where the symbolic one has {segments.n_cuts}; {segments.name} is not "
-                      "applied at this shape", JaxmemWarning, stacklevel=4)
-        return body
-    chosen, keep = segment_residuals(body, segs, segments, residuals)
-    return apply_remat(body, chosen, (), residuals, keep, long_chains=True)
+    return apply_segment_plan(body, segments, rule.batch, residuals,
+                              "this trace's scan body")
 
 
 def apply_body_plan(graph: Graph, plan: BodyPlan) -> Graph:

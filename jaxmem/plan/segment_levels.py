@@ -25,13 +25,14 @@ Example:
 from __future__ import annotations
 
 import collections
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import sympy
 
 from jaxmem.fastexpr import sum_at
-from jaxmem.graph import Graph
+from jaxmem.graph import Graph, JaxmemWarning
 from jaxmem.memory import memory_model
 from jaxmem.plan.knapsack import frontier, spread
 from jaxmem.plan.level import Level
@@ -153,3 +154,18 @@ def _level(graph: Graph, dom: ShapeDomain, segs: Segments, plan: SegmentPlan,
     flops = sympy.Add(*[graph.nodes[i].flops for i in nodes])
     names = tuple(dict.fromkeys(r.group for r, _ in chains))
     return Level(names, tuple(r for r, _ in chains), g2, m, flops, segments=plan)
+
+
+def apply_segment_plan(graph: Graph, plan: SegmentPlan, batch: Sequence[int],
+                       residuals: Sequence[Residual], where: str) -> Graph:
+    """``graph`` (another trace of the planned step, or of a scan body) with segment plan
+    ``plan`` applied: its cuts found again from ``batch``; unchanged, with a warning that
+    names ``where``, when this trace has another number of cuts."""
+    segs = find_segments(graph, batch=batch)
+    if len(segs.cuts) != plan.n_cuts:
+        warnings.warn(f"jaxmem: {where} has {len(segs.cuts)} forward cuts where the symbolic "
+                      f"one has {plan.n_cuts}; {plan.name} is not applied at this shape",
+                      JaxmemWarning, stacklevel=5)
+        return graph
+    chosen, keep = segment_residuals(graph, segs, plan, residuals)
+    return apply_remat(graph, chosen, (), tuple(residuals), keep, long_chains=True)
