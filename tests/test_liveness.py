@@ -81,3 +81,28 @@ def test_a_size_one_dim_needs_no_transposed_copy() -> None:
         p_bytes = 4 * 4 * n * n
         # XLA's temporaries (the dot's result before its bitcast) hold no copy of p.
         assert stats.temp_size_in_bytes < p_bytes, (n, stats.temp_size_in_bytes)
+
+
+def _attention_loss(x, wq, wk, wv):
+    b, s, d = x.shape
+    q, k, v = ((x @ w).reshape(b, s, 4, d // 4) for w in (wq, wk, wv))
+    p = jax.nn.softmax(jnp.einsum("bshd,bthd->bhst", q, k), -1)
+    return jnp.einsum("bhst,bthd->bshd", p, v).sum()
+
+
+def test_projections_split_into_heads_die_at_their_copies() -> None:
+    # XLA copies each head-split projection into the layout its dots read right after
+    # the projection's dot and frees the projection (bench.unseen's gradient
+    # accumulation, level 2: +15.0 -> +3.5 %); the copies, not the dots, live on.
+    f = jax.grad(_attention_loss, argnums=(0, 1, 2, 3))
+    w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    (b,) = jax.export.symbolic_shape("b", constraints=("b <= 64",))
+    g = graph_of(f, jax.ShapeDtypeStruct((b, 128, 64), jnp.float32), w, w, w)
+    buffers = liveness(g)
+    copies = {x.value: x for x in buffers if x.note == "transposed copy"}
+    heads = [n for n in g.nodes if n.primitive == "reshape" and n.outputs[0] in copies
+             and g.nodes[g.producers[n.inputs[0]]].primitive == "dot_general"]
+    assert len(heads) == 3  # q, k and v
+    for n in heads:
+        (projection,) = [x for x in buffers if x.value == n.inputs[0]]
+        assert projection.end <= copies[n.outputs[0]].start, (projection, n)

@@ -24,6 +24,7 @@ import sympy
 from jaxmem.graph import Graph
 from jaxmem.memory.fusion import (
     epilogue_broadcasts,
+    is_head_split,
     materialised,
     transposed_copies,
     used_nodes,
@@ -90,10 +91,15 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     early = {x.value for x in copies  # copies made as soon as their operand is written
              if x.value in prods and x.start == pos[prods[x.value]] + 1
              and graph.nodes[prods[x.value]].primitive != "concatenate"}
-    copied = _only_copied(graph, owner, srcs, used, {c for c in copied if c[1] in early})
+    # A copy of heads split off a projection reads the projection's buffer.
+    base = {v: graph.nodes[prods[v]].inputs[0] for v in early
+            if is_head_split(graph, graph.nodes[prods[v]])}
+    copied = _only_copied(graph, owner, srcs, used,
+                          {(ni, base.get(v, v)) for ni, v in copied if v in early})
     first_def, last_use = _definitions_and_uses(graph, order, owner, srcs, used, copied)
     for x in copies:  # a copied operand is read when its copy is made
-        last_use[x.value] = max(last_use.get(x.value, x.start), x.start)
+        v = base.get(x.value, x.value)
+        last_use[v] = max(last_use.get(v, x.start), x.start)
     outputs = _output_buffers(graph, order, owner, first_def)
     reuse_end, in_output, taken = _shared_buffers(graph, order, owner, srcs, last_use,
                                                   outputs, size)
@@ -140,7 +146,7 @@ def _only_copied(graph: Graph, owner: dict[int, int], srcs: Callable[[int], froz
     +1.6 -> -4.8 %, the q/k/v heads) and bench.unseen's dropout step (deepest -17.5 %)."""
     readers: dict[int, set[int]] = {}
     for n in graph.nodes:
-        if used[n.index]:
+        if used[n.index] and not is_head_split(graph, n):  # its readers read the dot's
             for i in n.inputs:
                 o = owner.get(i, i)
                 for s in ((o,) if o != -1 else srcs(i)):
