@@ -46,7 +46,8 @@ def sunk_broadcasts(graph: Graph) -> frozenset[int]:
     return frozenset(
         n.outputs[0] for n in graph.nodes
         if n.primitive == "broadcast_in_dim" and n.outputs[0] in graph.constant
-        and _filled_from_scalar(graph, n) and _only_read_by_loops(graph, n.outputs[0]))
+        # the cheap test first: most broadcasts feed no loop
+        and _only_read_by_loops(graph, n.outputs[0]) and _filled_from_scalar(graph, n))
 
 
 def _only_read_by_loops(graph: Graph, v: int) -> bool:

@@ -38,8 +38,10 @@ _LIBRARY_DTYPES = frozenset({"float32", "float64"})
 
 def library_window(graph: Graph, node: Node) -> bool:
     """Whether XLA's CPU library runs this window (``IsReduceLikeOpSupportedByYnn``)."""
+    if node.primitive not in _WINDOWS:  # before dict(params): most nodes are no window
+        return False
     params = dict(node.params)
-    if node.primitive not in _WINDOWS or "window_dimensions" not in params or not node.inputs:
+    if "window_dimensions" not in params or not node.inputs:
         return False
     if graph.values[node.inputs[0]].dtype not in _LIBRARY_DTYPES:
         return False

@@ -54,8 +54,10 @@ def conv_copies(graph: Graph, order: Sequence[int],
     spans: dict[tuple[int, tuple[int, ...]], list[int]] = {}
     for p, ni in enumerate(order):
         node = graph.nodes[ni]
+        if node.primitive != "conv_general_dilated":  # before dict(params), for speed
+            continue
         params = dict(node.params)
-        if node.primitive != "conv_general_dilated" or "lhs_spec" not in params:
+        if "lhs_spec" not in params:
             continue
         for v, spec, canonical in zip(node.inputs[:2], (params["lhs_spec"], params["rhs_spec"]),
                                       (_input_layout, _kernel_layout), strict=False):
