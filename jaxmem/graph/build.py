@@ -205,6 +205,8 @@ def _params(eqn: Any) -> tuple[tuple[str, Any], ...]:
     if name == "conv_general_dilated":  # which operands XLA must transpose
         dn = eqn.params["dimension_numbers"]
         return (("lhs_spec", tuple(dn.lhs_spec)), ("rhs_spec", tuple(dn.rhs_spec)))
+    if name == "reduce_sum":  # XLA's CPU library takes row sums (memory/ynn.py)
+        return (("axes", tuple(int(a) for a in eqn.params["axes"])),)
     if name.startswith("reduce_window"):  # whether XLA's CPU library takes the window
         return tuple((k, tuple(eqn.params[k])) for k in (
             "window_dimensions", "window_strides", "base_dilation", "window_dilation"))

@@ -31,6 +31,7 @@ from jaxmem.memory.fusion import (
 )
 from jaxmem.memory.precision import buffer_sizes, operand_copies
 from jaxmem.memory.windows import conv_copies, window_broadcasts
+from jaxmem.memory.ynn import row_fused_sizes, shared_row_broadcasts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +83,8 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     owner = materialised(graph) if owner is None else owner
     used = used_nodes(graph) if used is None else used
     widened = buffer_sizes(graph, owner, backend)
-    size = lambda v: widened.get(v, graph.values[v].nbytes)  # noqa: E731
+    sizes = {**widened, **row_fused_sizes(graph, owner, widened, backend)}
+    size = lambda v: sizes.get(v, graph.values[v].nbytes)  # noqa: E731
     srcs = _buffer_sources(graph, owner)
     copied: set[tuple[int, int]] = set()
     copies = transposed_copies(graph, order, owner, size, copied)
@@ -110,7 +112,8 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
               *epilogue_broadcasts(graph, order, owner, first_def),
               *operand_copies(graph, order, owner, backend, widened),
               *conv_copies(graph, order, size),
-              *window_broadcasts(graph, order, used, backend)):
+              *window_broadcasts(graph, order, used, backend),
+              *shared_row_broadcasts(graph, order, used, backend)):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
     return tuple(buffers)
 

@@ -1,0 +1,212 @@
+"""XLA CPU's YNN library fusions that grow from a row reduction.
+
+XLA's CPU backend (``LibraryRewriter``) hands a reduction over the last dim with at
+least :data:`YNN_MIN_ROWS` outputs to its YNN library and grows that fusion up
+through producers whose every reader it already holds. In attention's backward
+pass this takes in the ``dP = dO @ V^T`` matmul: softmax's VJP reads ``dP`` only
+in element-wise ops that end in the row sum ``sum(dP * P)``, so ``dP`` is computed
+inside the fusion and never gets a buffer (measured, jax 0.10.2: the plain GPT's
+attention backward at (4, 256) and (8, 512), four heads, but not at (4, 128), whose
+row sums have 2048 outputs). A size threshold in the dims makes the buffer a
+``Piecewise`` step: full size below it, none from it on.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem.graph import build_graph
+    >>> from jaxmem.memory.fusion import materialised
+    >>> def softmax_vjp(dout, v, p):  # dP = dout @ v^T, then sum(dP * P) per row
+    ...     dp = dout @ v.T
+    ...     return (dp - (dp * p).sum(-1, keepdims=True)) * p
+    >>> args = [jax.ShapeDtypeStruct((8192, 64), jnp.float32)] * 2 + [
+    ...     jax.ShapeDtypeStruct((8192, 8192), jnp.float32)]
+    >>> g = build_graph(jax.make_jaxpr(softmax_vjp)(*args))
+    >>> list(row_fused_dots(g, materialised(g)).values())
+    [0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import sympy
+
+from jaxmem.graph import Graph
+from jaxmem.memory.fusion import Extra
+
+#: YNN's ``kMinElements``: a row reduction with fewer outputs stays in XLA's own code.
+YNN_MIN_ROWS = 4096
+
+
+def below_rows(rows: sympy.Expr) -> sympy.Expr:
+    """1 where a reduction with ``rows`` outputs stays out of YNN, 0 where YNN takes it."""
+    rows = sympy.sympify(rows)
+    if rows.is_number:
+        return sympy.Integer(1 if rows < YNN_MIN_ROWS else 0)
+    return sympy.Piecewise((1, sympy.Lt(rows, YNN_MIN_ROWS)), (0, True))
+
+
+def _summed_axes(graph: Graph, node_index: int) -> tuple[int, ...] | None:
+    node = graph.nodes[node_index]
+    if node.primitive != "reduce_sum" or not node.inputs:
+        return None
+    return tuple(dict(node.params).get("axes", ()))
+
+
+def _is_row_sum(graph: Graph, node_index: int) -> bool:
+    axes = _summed_axes(graph, node_index)
+    if axes is None:
+        return False
+    x = graph.values[graph.nodes[node_index].inputs[0]]
+    return (x.dtype == "float32" and axes == (len(x.shape) - 1,)
+            and x.shape[-1] != 1)
+
+
+def _is_view_sum(graph: Graph, node_index: int) -> bool:
+    """A sum over dims of size 1: XLA's simplifier makes it a reshape."""
+    axes = _summed_axes(graph, node_index)
+    shape = graph.values[graph.nodes[node_index].inputs[0]].shape if axes else ()
+    return bool(axes) and all(shape[a] == 1 for a in axes)
+
+
+#: Element-wise ops YNN fuses (``ynn_support.cc``); a ``select_n`` (a mask) ends it.
+YNN_ELEMENTWISE = frozenset("""
+abs add add_any sub mul div neg max min exp log tanh logistic sqrt rsqrt square integer_pow
+broadcast_in_dim reshape
+""".split())
+
+
+def row_fused_dots(graph: Graph, owner: Mapping[int, int], hops: int = 8
+                   ) -> dict[int, sympy.Expr]:
+    """Dot results a row reduction's YNN fusion computes: value id -> the factor of its
+    buffer's bytes (:func:`below_rows` of the reduction's outputs).
+
+    Each row sum's fusion grows down from its result through single-reader ops YNN
+    fuses (softmax's VJP: the sum's negation, broadcast and ``add_any`` back into the
+    row), then up through producers of the reduced shape whose every reader it holds,
+    within ``hops`` steps each way. A LayerNorm's input cotangent also feeds the
+    scale's and bias's column sums, so its dot keeps its buffer (XLA's dumps agree).
+    """
+    out: dict[int, sympy.Expr] = {}
+    for node in graph.nodes:
+        if _is_row_sum(graph, node.index):
+            rows = sympy.Mul(*graph.values[node.outputs[0]].shape)
+            for d in _fusion_dots(graph, node.index, hops):
+                if owner.get(d, d) == d and d not in graph.outputs:
+                    out[d] = below_rows(rows)
+    return out
+
+
+def row_fused_sizes(graph: Graph, owner: Mapping[int, int], widened: Mapping[int, sympy.Expr],
+                    backend: str) -> dict[int, sympy.Expr]:
+    """Buffer bytes of the dots :func:`row_fused_dots` finds on ``backend`` (only XLA's CPU
+    backend has YNN); ``widened``: sizes other rules already changed."""
+    if backend != "cpu":
+        return {}
+    return {v: sympy.expand(widened.get(v, graph.values[v].nbytes) * factor)
+            for v, factor in row_fused_dots(graph, owner).items()}
+
+
+def _fusion_dots(graph: Graph, reduction: int, hops: int) -> list[int]:
+    """The dot results inside the YNN fusion grown from row sum ``reduction``."""
+    consumers, producers, nodes = graph.consumers, graph.producers, graph.nodes
+    fuses = lambda ni: (nodes[ni].primitive in YNN_ELEMENTWISE  # noqa: E731
+                        or _is_view_sum(graph, ni))
+    fused = {reduction}
+    v = nodes[reduction].outputs[0]
+    for _ in range(hops):
+        users = consumers.get(v, ())
+        if len(users) != 1 or not fuses(users[0]):
+            break
+        fused.add(users[0])
+        v = nodes[users[0]].outputs[0]
+    shape = graph.values[nodes[reduction].inputs[0]].shape
+    dots: list[int] = []
+    for _ in range(hops):  # to a fixpoint: a producer joins once all its readers have
+        grown = False
+        for ni in list(fused):
+            for x in nodes[ni].inputs:
+                p = producers.get(x)
+                if (p is None or p in fused or graph.values[x].shape != shape
+                        or len(nodes[p].outputs) != 1
+                        or not all(u in fused for u in consumers.get(x, ()))):
+                    continue
+                if nodes[p].primitive == "dot_general":
+                    if x not in dots:  # its operands are the fusion's parameters
+                        dots.append(x)
+                    continue
+                if not fuses(p):
+                    continue
+                fused.add(p)
+                grown = True
+        if not grown:
+            break
+    return dots
+
+
+def from_rows(rows: sympy.Expr) -> sympy.Expr:
+    """1 where YNN takes a reduction with ``rows`` outputs, 0 where it does not."""
+    rows = sympy.sympify(rows)
+    if rows.is_number:
+        return sympy.Integer(0 if rows < YNN_MIN_ROWS else 1)
+    return sympy.Piecewise((0, sympy.Lt(rows, YNN_MIN_ROWS)), (1, True))
+
+
+def shared_row_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[bool],
+                          backend: str) -> list[Extra]:
+    """Full-size broadcasts of a vector (a norm's scale) that YNN row fusions read.
+
+    A LayerNorm's scale is broadcast along its rows in the forward pass (inside the
+    YNN fusion of the norm and the matmul after it) and again in its backward pass
+    (``dy * scale``, inside the fusion of the row sums of the input's gradient). XLA's
+    CSE makes the two one broadcast, which no longer fuses into either reader: a
+    buffer of the rows' size, computed when its vector is (the program's start for a
+    parameter) and read until its last reader (measured, jax 0.10.2: the plain GPT's
+    ``wrapped_broadcast`` fusions at (8, 512), none at (4, 256), whose norms sum 1024
+    rows). Gated on the rows reaching :data:`YNN_MIN_ROWS`.
+    """
+    if backend != "cpu":
+        return []
+    summed = {graph.values[graph.nodes[n.index].inputs[0]].shape
+              for n in graph.nodes if used[n.index] and _is_row_sum(graph, n.index)}
+    if not summed:
+        return []
+    pos = {n: p for p, n in enumerate(order)}
+    readers: dict[tuple[int, tuple], list[int]] = {}
+    for n in graph.nodes:
+        if not used[n.index] or n.kind != "elementwise" or len(n.outputs) != 1:
+            continue
+        out = graph.values[n.outputs[0]]
+        if out.shape not in summed or out.dtype != "float32":
+            continue
+        for v in n.inputs:  # a vector it reads broadcast along its rows
+            src = _vector_source(graph, v, out.shape[-1])
+            if src is not None:
+                readers.setdefault((src, out.shape), []).append(pos[n.index])
+    out = []
+    for (src, shape), at in readers.items():
+        if len(at) < 2:  # one reader: the broadcast fuses into it
+            continue
+        p = graph.producers.get(src)
+        start = pos[p] if p is not None else 0
+        rows = sympy.Mul(*shape[:-1])
+        nbytes = sympy.expand(4 * sympy.Mul(*shape) * from_rows(rows))
+        out.append(Extra(src, nbytes, start, max(at), "norm scale broadcast"))
+    return out
+
+
+def _vector_source(graph: Graph, v: int, width: sympy.Expr, hops: int = 3) -> int | None:
+    """The vector ``v`` is (seen through reshapes and broadcasts to ``[1, ..., width]``),
+    when it is one: a value of shape ``(width,)``."""
+    for _ in range(hops + 1):
+        shape = graph.values[v].shape
+        if not shape or shape[-1] != width or any(d != 1 for d in shape[:-1]):
+            return None
+        if len(shape) == 1:
+            return v
+        p = graph.producers.get(v)
+        if p is None or graph.nodes[p].primitive not in ("reshape", "broadcast_in_dim"):
+            return None
+        v = graph.nodes[p].inputs[0] if graph.nodes[p].inputs else None
+        if v is None:
+            return None
+    return None
