@@ -8,7 +8,11 @@ in element-wise ops that end in the row sum ``sum(dP * P)``, so ``dP`` is comput
 inside the fusion and never gets a buffer (measured, jax 0.10.2: the plain GPT's
 attention backward at (4, 256) and (8, 512), four heads, but not at (4, 128), whose
 row sums have 2048 outputs). A size threshold in the dims makes the buffer a
-``Piecewise`` step: full size below it, none from it on.
+``Piecewise`` step: full size below it, none from it on (:func:`row_fused_dots`).
+
+The same fusions read a vector they multiply by (a norm's scale) as a full-size
+broadcast, which XLA's CSE shares between the forward and backward passes
+(:func:`shared_row_broadcasts`): a buffer from the threshold on.
 
 Example:
     >>> import jax, jax.numpy as jnp
