@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import sympy
@@ -41,6 +42,7 @@ from jaxmem.memory.fusion import Extra
 YNN_MIN_ROWS = 4096
 
 
+@functools.cache  # a Piecewise takes sympy ~0.4 ms to build; a model asks for few distinct
 def below_rows(rows: sympy.Expr) -> sympy.Expr:
     """1 where a reduction with ``rows`` outputs stays out of YNN, 0 where YNN takes it."""
     rows = sympy.sympify(rows)
@@ -92,7 +94,7 @@ def row_fused_dots(graph: Graph, owner: Mapping[int, int], hops: int = 8
     """
     out: dict[int, sympy.Expr] = {}
     for node in graph.nodes:
-        if _is_row_sum(graph, node.index):
+        if node.primitive == "reduce_sum" and _is_row_sum(graph, node.index):
             rows = sympy.Mul(*graph.values[node.outputs[0]].shape)
             for d in _fusion_dots(graph, node.index, hops):
                 if owner.get(d, d) == d and d not in graph.outputs:
@@ -147,6 +149,7 @@ def _fusion_dots(graph: Graph, reduction: int, hops: int) -> list[int]:
     return dots
 
 
+@functools.cache
 def from_rows(rows: sympy.Expr) -> sympy.Expr:
     """1 where YNN takes a reduction with ``rows`` outputs, 0 where it does not."""
     rows = sympy.sympify(rows)
@@ -171,7 +174,8 @@ def shared_row_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[boo
     if backend != "cpu":
         return []
     summed = {graph.values[graph.nodes[n.index].inputs[0]].shape
-              for n in graph.nodes if used[n.index] and _is_row_sum(graph, n.index)}
+              for n in graph.nodes
+              if n.primitive == "reduce_sum" and used[n.index] and _is_row_sum(graph, n.index)}
     if not summed:
         return []
     pos = {n: p for p, n in enumerate(order)}
@@ -180,9 +184,11 @@ def shared_row_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[boo
         if not used[n.index] or n.kind != "elementwise" or len(n.outputs) != 1:
             continue
         out = graph.values[n.outputs[0]]
-        if out.shape not in summed or out.dtype != "float32":
+        if out.dtype != "float32" or out.shape not in summed:
             continue
         for v in n.inputs:  # a vector it reads broadcast along its rows
+            if graph.values[v].shape == out.shape:
+                continue
             src = _vector_source(graph, v, out.shape[-1])
             if src is not None:
                 readers.setdefault((src, out.shape), []).append(pos[n.index])
