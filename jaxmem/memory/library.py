@@ -28,7 +28,7 @@ from jaxmem.graph import Graph, Node
 
 # Elementwise primitives the CPU library fuses (``ynn_support.cc``: its unary and binary
 # operator tables); a fusion grows through no other.
-_LIBRARY_ELEMENTWISE = frozenset("""
+LIBRARY_ELEMENTWISE = frozenset("""
 abs ceil convert_element_type cos erf exp expm1 floor log log1p logistic neg round rsqrt
 sign sin sqrt tanh tan add div max min mul pow sub integer_pow square
 """.split())
@@ -60,7 +60,7 @@ def pooling_region(graph: Graph, window: Node) -> set[int]:
     while frontier:
         v = frontier.pop()
         p = producers.get(v)
-        if (p is None or nodes[p].primitive not in _LIBRARY_ELEMENTWISE
+        if (p is None or nodes[p].primitive not in LIBRARY_ELEMENTWISE
                 or not all(c in region for c in consumers.get(v, ()))):
             continue
         region.add(p)
@@ -68,7 +68,7 @@ def pooling_region(graph: Graph, window: Node) -> set[int]:
     out = window.outputs[0]
     while len(consumers.get(out, ())) == 1:
         c = nodes[consumers[out][0]]
-        if c.primitive not in _LIBRARY_ELEMENTWISE or not c.outputs:
+        if c.primitive not in LIBRARY_ELEMENTWISE or not c.outputs:
             break
         region.add(c.index)
         out = c.outputs[0]

@@ -37,18 +37,30 @@ import sympy
 
 from jaxmem.graph import Graph
 from jaxmem.memory.fusion import Extra
+from jaxmem.memory.library import LIBRARY_ELEMENTWISE
 
 #: YNN's ``kMinElements``: a row reduction with fewer outputs stays in XLA's own code.
 YNN_MIN_ROWS = 4096
 
 
 @functools.cache  # a Piecewise takes sympy ~0.4 ms to build; a model asks for few distinct
-def below_rows(rows: sympy.Expr) -> sympy.Expr:
-    """1 where a reduction with ``rows`` outputs stays out of YNN, 0 where YNN takes it."""
+def _step(rows: sympy.Expr, below: int) -> sympy.Expr:
+    """``below`` where a reduction with ``rows`` outputs stays out of YNN, ``1 - below``
+    where YNN takes it."""
     rows = sympy.sympify(rows)
     if rows.is_number:
-        return sympy.Integer(1 if rows < YNN_MIN_ROWS else 0)
-    return sympy.Piecewise((1, sympy.Lt(rows, YNN_MIN_ROWS)), (0, True))
+        return sympy.Integer(below if rows < YNN_MIN_ROWS else 1 - below)
+    return sympy.Piecewise((below, sympy.Lt(rows, YNN_MIN_ROWS)), (1 - below, True))
+
+
+def below_rows(rows: sympy.Expr) -> sympy.Expr:
+    """1 where a reduction with ``rows`` outputs stays out of YNN, 0 where YNN takes it."""
+    return _step(rows, 1)
+
+
+def from_rows(rows: sympy.Expr) -> sympy.Expr:
+    """1 where YNN takes a reduction with ``rows`` outputs, 0 where it does not."""
+    return _step(rows, 0)
 
 
 def _summed_axes(graph: Graph, node_index: int) -> tuple[int, ...] | None:
@@ -74,11 +86,11 @@ def _is_view_sum(graph: Graph, node_index: int) -> bool:
     return bool(axes) and all(shape[a] == 1 for a in axes)
 
 
-#: Element-wise ops YNN fuses (``ynn_support.cc``); a ``select_n`` (a mask) ends it.
-YNN_ELEMENTWISE = frozenset("""
-abs add add_any sub mul div neg max min exp log tanh logistic sqrt rsqrt square integer_pow
-broadcast_in_dim reshape
-""".split())
+#: Ops a row sum's YNN fusion grows through: the library's element-wise table, and the
+#: jaxpr ops XLA sees as an add or a view. A ``select_n`` (a mask) ends it; converts are
+#: left out (the bf16 steps' fusions were not read).
+YNN_ELEMENTWISE = (LIBRARY_ELEMENTWISE - {"convert_element_type"}) | {
+    "add_any", "broadcast_in_dim", "reshape"}
 
 
 def row_fused_dots(graph: Graph, owner: Mapping[int, int], hops: int = 8
@@ -149,15 +161,6 @@ def _fusion_dots(graph: Graph, reduction: int, hops: int) -> list[int]:
     return dots
 
 
-@functools.cache
-def from_rows(rows: sympy.Expr) -> sympy.Expr:
-    """1 where YNN takes a reduction with ``rows`` outputs, 0 where it does not."""
-    rows = sympy.sympify(rows)
-    if rows.is_number:
-        return sympy.Integer(0 if rows < YNN_MIN_ROWS else 1)
-    return sympy.Piecewise((0, sympy.Lt(rows, YNN_MIN_ROWS)), (1, True))
-
-
 def shared_row_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[bool],
                           backend: str) -> list[Extra]:
     """Full-size broadcasts of a vector (a norm's scale) that YNN row fusions read.
@@ -214,9 +217,8 @@ def _vector_source(graph: Graph, v: int, width: sympy.Expr, hops: int = 3) -> in
         if len(shape) == 1:
             return v
         p = graph.producers.get(v)
-        if p is None or graph.nodes[p].primitive not in ("reshape", "broadcast_in_dim"):
+        if (p is None or graph.nodes[p].primitive not in ("reshape", "broadcast_in_dim")
+                or not graph.nodes[p].inputs):
             return None
-        v = graph.nodes[p].inputs[0] if graph.nodes[p].inputs else None
-        if v is None:
-            return None
+        v = graph.nodes[p].inputs[0]
     return None
