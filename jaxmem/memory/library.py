@@ -24,6 +24,8 @@ Example:
 
 from __future__ import annotations
 
+import sympy
+
 from jaxmem.graph import Graph, Node
 
 # Elementwise primitives the CPU library fuses (``ynn_support.cc``: its unary and binary
@@ -97,3 +99,45 @@ def pooling_fusions(graph: Graph) -> tuple[frozenset[int], frozenset[int]]:
                         and nodes[p].primitive not in ("broadcast_in_dim", "iota")):
                     kept.add(v)
     return frozenset(fused), frozenset(kept - fused)
+
+
+def constant_operands(graph: Graph, node: Node, fold: bool = True) -> list[tuple]:
+    """``(constant, shape, itemsize)`` of each scalar constant elementwise ``node`` reads at
+    its own shape: a literal operand, or an operand broadcast from one."""
+    if (not node.outputs or node.kind != "elementwise"
+            or node.primitive in ("broadcast_in_dim", "pad", "concatenate")):
+        return []
+    out = graph.values[node.outputs[0]]
+    if not out.shape:
+        return []
+    itemsize = out.nbytes / sympy.Mul(*out.shape)
+    atoms = list(node.eqn.invars) if node.eqn is not None else []
+    for v in node.inputs:
+        p = graph.producers.get(v)
+        b = graph.nodes[p] if p is not None else None
+        if b is not None and b.primitive == "broadcast_in_dim" and not b.inputs and b.eqn:
+            atoms.append(b.eqn.invars[0])
+    if fold and node.primitive in ("mul", "div") and any(_scaled(graph, v) for v in node.inputs):
+        return []  # XLA's simplifier folds c1 * (c2 * x) into one constant
+    keys = []
+    for atom in atoms:
+        val = getattr(atom, "val", None)
+        if val is not None and getattr(val, "shape", ()) == ():
+            keys.append((float(val), out.shape, itemsize))
+    return keys
+
+
+def _scaled(graph: Graph, v: int, hops: int = 4) -> bool:
+    """Whether ``v`` is a product (or quotient) by a scalar constant, seen through
+    broadcasts and reshapes (which XLA's simplifier moves the constant across)."""
+    for _ in range(hops):
+        p = graph.producers.get(v)
+        if p is None:
+            return False
+        n = graph.nodes[p]
+        if n.primitive in ("mul", "div"):
+            return bool(constant_operands(graph, n, fold=False))
+        if n.primitive not in ("broadcast_in_dim", "reshape") or not n.inputs:
+            return False
+        v = n.inputs[0]
+    return False

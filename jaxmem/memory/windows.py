@@ -37,9 +37,9 @@ from collections.abc import Callable, Sequence
 
 import sympy
 
-from jaxmem.graph import Graph, Node
+from jaxmem.graph import Graph
 from jaxmem.memory.fusion import Extra, copy_start
-from jaxmem.memory.library import library_window, pooling_region
+from jaxmem.memory.library import constant_operands, library_window, pooling_region
 
 
 def conv_copies(graph: Graph, order: Sequence[int],
@@ -95,57 +95,15 @@ def window_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[bool],
     users: dict[tuple, list[int]] = {}
     for n in graph.nodes:
         if used[n.index]:
-            for key in _constant_operands(graph, n):
+            for key in constant_operands(graph, n):
                 users.setdefault(key, []).append(n.index)
     out = []
     for w in windows:
         region = pooling_region(graph, w)
-        keys = {k for ni in region for k in _constant_operands(graph, graph.nodes[ni])}
+        keys = {k for ni in region for k in constant_operands(graph, graph.nodes[ni])}
         for key in keys:
             if any(u not in region for u in users[key]):  # XLA's CSE shares it outside
                 _, shape, itemsize = key
                 out.append(Extra(w.inputs[0], sympy.expand(itemsize * sympy.Mul(*shape)), 0,
                                  pos[w.index], "pooling fusion constant operand"))
     return out
-
-
-def _constant_operands(graph: Graph, node: Node, fold: bool = True) -> list[tuple]:
-    """``(constant, shape, itemsize)`` of each scalar constant elementwise ``node`` reads at
-    its own shape: a literal operand, or an operand broadcast from one."""
-    if (not node.outputs or node.kind != "elementwise"
-            or node.primitive in ("broadcast_in_dim", "pad", "concatenate")):
-        return []
-    out = graph.values[node.outputs[0]]
-    if not out.shape:
-        return []
-    itemsize = out.nbytes / sympy.Mul(*out.shape)
-    atoms = list(node.eqn.invars) if node.eqn is not None else []
-    for v in node.inputs:
-        p = graph.producers.get(v)
-        b = graph.nodes[p] if p is not None else None
-        if b is not None and b.primitive == "broadcast_in_dim" and not b.inputs and b.eqn:
-            atoms.append(b.eqn.invars[0])
-    if fold and node.primitive in ("mul", "div") and any(_scaled(graph, v) for v in node.inputs):
-        return []  # XLA's simplifier folds c1 * (c2 * x) into one constant
-    keys = []
-    for atom in atoms:
-        val = getattr(atom, "val", None)
-        if val is not None and getattr(val, "shape", ()) == ():
-            keys.append((float(val), out.shape, itemsize))
-    return keys
-
-
-def _scaled(graph: Graph, v: int, hops: int = 4) -> bool:
-    """Whether ``v`` is a product (or quotient) by a scalar constant, seen through
-    broadcasts and reshapes (which XLA's simplifier moves the constant across)."""
-    for _ in range(hops):
-        p = graph.producers.get(v)
-        if p is None:
-            return False
-        n = graph.nodes[p]
-        if n.primitive in ("mul", "div"):
-            return bool(_constant_operands(graph, n, fold=False))
-        if n.primitive not in ("broadcast_in_dim", "reshape") or not n.inputs:
-            return False
-        v = n.inputs[0]
-    return False

@@ -36,8 +36,8 @@ from collections.abc import Mapping, Sequence
 import sympy
 
 from jaxmem.graph import Graph
-from jaxmem.memory.fusion import Extra
-from jaxmem.memory.library import LIBRARY_ELEMENTWISE
+from jaxmem.memory.fusion import Extra, used_nodes
+from jaxmem.memory.library import LIBRARY_ELEMENTWISE, constant_operands
 
 #: YNN's ``kMinElements``: a row reduction with fewer outputs stays in XLA's own code.
 YNN_MIN_ROWS = 4096
@@ -93,8 +93,8 @@ YNN_ELEMENTWISE = (LIBRARY_ELEMENTWISE - {"convert_element_type"}) | {
     "add_any", "broadcast_in_dim", "reshape"}
 
 
-def row_fused_dots(graph: Graph, owner: Mapping[int, int], hops: int = 8
-                   ) -> dict[int, sympy.Expr]:
+def row_fused_dots(graph: Graph, owner: Mapping[int, int], used: Sequence[bool] | None = None,
+                   hops: int = 8) -> dict[int, sympy.Expr]:
     """Dot results a row reduction's YNN fusion computes: value id -> the factor of its
     buffer's bytes (:func:`below_rows` of the reduction's outputs).
 
@@ -103,40 +103,63 @@ def row_fused_dots(graph: Graph, owner: Mapping[int, int], hops: int = 8
     row), then up through producers of the reduced shape whose every reader it holds,
     within ``hops`` steps each way. A LayerNorm's input cotangent also feeds the
     scale's and bias's column sums, so its dot keeps its buffer (XLA's dumps agree).
+    The element-wise prologue of a fused dot (:func:`_prologue`) is computed inside
+    the fusion too.
     """
     out: dict[int, sympy.Expr] = {}
-    for node in graph.nodes:
-        if node.primitive == "reduce_sum" and _is_row_sum(graph, node.index):
-            rows = sympy.Mul(*graph.values[node.outputs[0]].shape)
-            for d in _fusion_dots(graph, node.index, hops):
-                if owner.get(d, d) == d and d not in graph.outputs:
-                    out[d] = below_rows(rows)
+    for reduction, _, dots, chain in _row_fusions(graph, used, hops):
+        rows = sympy.Mul(*graph.values[graph.nodes[reduction].outputs[0]].shape)
+        computed = [*dots, *(graph.nodes[ni].outputs[0] for ni in chain)]
+        for v in computed:
+            if owner.get(v, v) == v and v not in graph.outputs:
+                out[v] = below_rows(rows)
     return out
 
 
 def row_fused_sizes(graph: Graph, owner: Mapping[int, int], widened: Mapping[int, sympy.Expr],
-                    backend: str) -> dict[int, sympy.Expr]:
+                    backend: str, used: Sequence[bool] | None = None) -> dict[int, sympy.Expr]:
     """Buffer bytes of the dots :func:`row_fused_dots` finds on ``backend`` (only XLA's CPU
     backend has YNN); ``widened``: sizes other rules already changed."""
     if backend != "cpu":
         return {}
     return {v: sympy.expand(widened.get(v, graph.values[v].nbytes) * factor)
-            for v, factor in row_fused_dots(graph, owner).items()}
+            for v, factor in row_fused_dots(graph, owner, used).items()}
 
 
-def _fusion_dots(graph: Graph, reduction: int, hops: int) -> list[int]:
-    """The dot results inside the YNN fusion grown from row sum ``reduction``."""
+def _same_op(graph: Graph, a: int, b: int) -> bool:
+    """Whether nodes ``a`` and ``b`` compute the same value, which XLA's CSE makes one op
+    (a LayerNorm's ``x - mean`` is written twice, for the variance and the output)."""
+    na, nb = graph.nodes[a], graph.nodes[b]
+    if na.primitive != nb.primitive or na.inputs != nb.inputs or na.params != nb.params:
+        return False
+    lits = lambda n: [repr(getattr(x, "val", None)) for x in n.eqn.invars] if n.eqn else []  # noqa: E731
+    return lits(na) == lits(nb)
+
+
+def _all_fused(graph: Graph, v: int, fused: set[int], used: Sequence[bool]) -> bool:
+    """Whether every used reader of ``v`` is in ``fused``, or the same op as one that is."""
+    readers = [u for u in graph.consumers.get(v, ()) if used[u]]
+    inside = [u for u in readers if u in fused]
+    return bool(inside) and all(u in fused or any(_same_op(graph, u, f) for f in inside)
+                                for u in readers)
+
+
+def _row_fusion(graph: Graph, reduction: int, hops: int, used: Sequence[bool]
+                ) -> tuple[set[int], list[int]]:
+    """The nodes of the YNN fusion grown from row sum ``reduction`` and the dot results
+    inside it (whose own operands are the fusion's parameters)."""
     consumers, producers, nodes = graph.consumers, graph.producers, graph.nodes
     fuses = lambda ni: (nodes[ni].primitive in YNN_ELEMENTWISE  # noqa: E731
                         or _is_view_sum(graph, ni))
     fused = {reduction}
-    v = nodes[reduction].outputs[0]
-    for _ in range(hops):
-        users = consumers.get(v, ())
-        if len(users) != 1 or not fuses(users[0]):
+    outs = [nodes[reduction].outputs[0]]
+    for _ in range(hops):  # down through one reader (or copies of one op, XLA's CSE)
+        users = [u for v in outs for u in consumers.get(v, ()) if used[u]]
+        if not users or not fuses(users[0]) or not all(
+                _same_op(graph, u, users[0]) for u in users[1:]):
             break
-        fused.add(users[0])
-        v = nodes[users[0]].outputs[0]
+        fused.update(users)
+        outs = [nodes[u].outputs[0] for u in users]
     shape = graph.values[nodes[reduction].inputs[0]].shape
     dots: list[int] = []
     for _ in range(hops):  # to a fixpoint: a producer joins once all its readers have
@@ -145,11 +168,10 @@ def _fusion_dots(graph: Graph, reduction: int, hops: int) -> list[int]:
             for x in nodes[ni].inputs:
                 p = producers.get(x)
                 if (p is None or p in fused or graph.values[x].shape != shape
-                        or len(nodes[p].outputs) != 1
-                        or not all(u in fused for u in consumers.get(x, ()))):
+                        or len(nodes[p].outputs) != 1 or not _all_fused(graph, x, fused, used)):
                     continue
                 if nodes[p].primitive == "dot_general":
-                    if x not in dots:  # its operands are the fusion's parameters
+                    if x not in dots:
                         dots.append(x)
                     continue
                 if not fuses(p):
@@ -158,7 +180,83 @@ def _fusion_dots(graph: Graph, reduction: int, hops: int) -> list[int]:
                 grown = True
         if not grown:
             break
-    return dots
+    return fused, dots
+
+
+def _prologue(graph: Graph, dot: int, fused: set[int], used: Sequence[bool], hops: int = 16
+              ) -> set[int]:
+    """The element-wise ops before a fused dot that join its YNN fusion: producers of its
+    operands whose every reader is in the fusion (gelu's chain before the MLP's second
+    matmul, where the backward pass recomputes it)."""
+    nodes, producers = graph.nodes, graph.producers
+    members = fused | {dot}
+    chain: set[int] = set()
+    for _ in range(hops):  # to a fixpoint, as the fusion itself grows
+        grown = False
+        for ni in [dot, *chain]:
+            for x in nodes[ni].inputs:
+                p = producers.get(x)
+                if (p is None or p in chain or nodes[p].primitive not in LIBRARY_ELEMENTWISE
+                        or len(nodes[p].outputs) != 1 or graph.values[x].dtype != "float32"
+                        or not _all_fused(graph, x, members | chain, used)):
+                    continue
+                chain.add(p)
+                grown = True
+        if not grown:
+            break
+    return chain
+
+
+def _row_fusions(graph: Graph, used: Sequence[bool] | None, hops: int = 8
+                 ) -> list[tuple[int, set[int], list[int], set[int]]]:
+    """Each used row sum's YNN fusion: ``(reduction, fused nodes, dot results, prologue
+    nodes)``."""
+    used = used_nodes(graph) if used is None else used
+    out = []
+    for node in graph.nodes:
+        if node.primitive == "reduce_sum" and used[node.index] and _is_row_sum(graph, node.index):
+            fused, dots = _row_fusion(graph, node.index, hops, used)
+            chain = set().union(*(_prologue(graph, graph.producers[d], fused, used)
+                                  for d in dots))
+            out.append((node.index, fused, dots, chain))
+    return out
+
+
+def prologue_constants(graph: Graph, order: Sequence[int], used: Sequence[bool],
+                       backend: str) -> list[Extra]:
+    """Full-size broadcasts of the scalar constants a row fusion's prologue reads.
+
+    gelu's constants (0.5, 1, 0.044715, sqrt(2/pi)) are broadcast to the hidden size;
+    the backward pass reads the same broadcasts (its gelu derivative, its
+    recomputation), so XLA's CSE makes each one op that no longer fuses into the YNN
+    fusion: a buffer computed at the program's start (it reads nothing) and read until
+    the fusion runs (measured, jax 0.10.2: the plain GPT's last layer at (8, 512), four
+    ``wrapped_broadcast`` of f32[8, 512, 1024]; none below :data:`YNN_MIN_ROWS` rows).
+    A constant no other op reads at that shape fuses and takes nothing.
+    """
+    if backend != "cpu":
+        return []
+    fusions = [f for f in _row_fusions(graph, used) if f[3]]
+    if not fusions:
+        return []
+    readers: dict[tuple, list[int]] = {}
+    for n in graph.nodes:
+        if used[n.index]:
+            for key in constant_operands(graph, n):
+                readers.setdefault(key, []).append(n.index)
+    pos = {n: p for p, n in enumerate(order)}
+    out = []
+    for reduction, fused, _, chain in fusions:
+        rows = sympy.Mul(*graph.values[graph.nodes[reduction].outputs[0]].shape)
+        end = max(pos[ni] for ni in fused)
+        keys = {k for ni in chain for k in constant_operands(graph, graph.nodes[ni])}
+        for key in sorted(keys, key=repr):
+            if any(u not in chain for u in readers[key]):
+                _, shape, itemsize = key
+                nbytes = sympy.expand(itemsize * sympy.Mul(*shape) * from_rows(rows))
+                out.append(Extra(graph.nodes[reduction].inputs[0], nbytes, 0, end,
+                                 "YNN fusion constant operand"))
+    return out
 
 
 def shared_row_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[bool],
