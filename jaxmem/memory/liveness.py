@@ -31,7 +31,7 @@ from jaxmem.memory.fusion import (
 )
 from jaxmem.memory.precision import buffer_sizes, operand_copies
 from jaxmem.memory.windows import conv_copies, window_broadcasts
-from jaxmem.memory.ynn import prologue_constants, row_fused_sizes, shared_row_broadcasts
+from jaxmem.memory.ynn import row_fused_sizes, row_fusion_extras
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +113,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
               *operand_copies(graph, order, owner, backend, widened),
               *conv_copies(graph, order, size),
               *window_broadcasts(graph, order, used, backend),
-              *shared_row_broadcasts(graph, order, used, backend),
-              *prologue_constants(graph, order, used, backend)):
+              *row_fusion_extras(graph, order, used, backend)):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
     return tuple(buffers)
 

@@ -320,3 +320,11 @@ def _vector_source(graph: Graph, v: int, width: sympy.Expr, hops: int = 3) -> in
             return None
         v = graph.nodes[p].inputs[0]
     return None
+
+
+def row_fusion_extras(graph: Graph, order: Sequence[int], used: Sequence[bool],
+                      backend: str) -> list[Extra]:
+    """The buffers the row fusions' operands add: :func:`shared_row_broadcasts` and
+    :func:`prologue_constants`."""
+    return [*shared_row_broadcasts(graph, order, used, backend),
+            *prologue_constants(graph, order, used, backend)]
