@@ -8,6 +8,7 @@ softmax-backward fusion) and its level 0 4 % under (the norm scale broadcasts).
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,11 +52,13 @@ def _layer_norm_grad(x, scale, bias, w):
 
 
 def _gelu_norm_step(x, h, h2, w):
-    """A residual add of ``gelu(h) @ w`` before a row mean: the norm's YNN fusion takes in
-    the matmul and gelu's chain; a second gelu of that shape shares its constants."""
+    """A residual add of ``gelu(h) @ w`` before a row mean (taken in float32, as
+    mixed-precision norms are): the norm's YNN fusion takes in the matmul and gelu's
+    chain; a second gelu of that shape shares its constants."""
     def loss(x, h, h2, w):
-        y = x + jax.nn.gelu(h) @ w
-        return jnp.tanh(y - y.mean(-1, keepdims=True)).sum() + jax.nn.gelu(h2).sum()
+        y = (x + jax.nn.gelu(h) @ w).astype(jnp.float32)
+        gelu2 = jax.nn.gelu(h2).astype(jnp.float32)
+        return jnp.tanh(y - y.mean(-1, keepdims=True)).sum() + gelu2.sum()
     return jax.value_and_grad(loss)(x, h, h2, w)
 
 
@@ -120,14 +123,16 @@ def test_gpt_deepest_level_peak_follows_xla_across_the_threshold() -> None:
             assert peak.has(sympy.Piecewise), peak
 
 
-def test_prologue_constants_are_full_size_from_the_row_threshold() -> None:
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_prologue_constants_are_full_size_from_the_row_threshold(dtype: Any) -> None:
     (b,) = jax.export.symbolic_shape("b")
+    shapes = ((b, 512, 64), (b, 512, 128), (b, 512, 128), (128, 64))
     g = build_graph(jax.make_jaxpr(_gelu_norm_step)(
-        _f32(b, 512, 64), _f32(b, 512, 128), _f32(b, 512, 128), _f32(128, 64)))
+        *[jax.ShapeDtypeStruct(s, dtype) for s in shapes]))
     order = list(range(len(g.nodes)))
     extras = prologue_constants(g, order, used_nodes(g), "cpu")
     assert len(extras) == 4  # 0.5, 1, 0.044715, sqrt(2 / pi)
-    hidden = 512 * 128 * 4  # bytes per b of one f32[b, 512, 128] broadcast
+    hidden = 512 * 128 * 4  # bytes per b of one f32[b, 512, 128] (XLA CPU computes in f32)
     for x in extras:
         assert x.start == 0
         assert [x.nbytes.subs(sym("b"), n) for n in (4, 8, 16)] == [0, 8 * hidden, 16 * hidden]
@@ -139,14 +144,16 @@ def test_prologue_constants_are_full_size_from_the_row_threshold() -> None:
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU's library")
-def test_gelu_prologue_peak_follows_xla_from_the_threshold() -> None:
-    """Without the prologue rule the peak was predicted 47 % under XLA's at b = 8 and 16."""
+@pytest.mark.parametrize(("dtype", "bound"), [(jnp.float32, 0.02), (jnp.bfloat16, 0.10)])
+def test_gelu_prologue_peak_follows_xla_from_the_threshold(dtype: Any, bound: float) -> None:
+    """Without the prologue rule the float32 peak was predicted 47 % under XLA's at b = 8
+    and 16; below the threshold (b = 4) the model is still about half XLA's (not found)."""
     f = jaxmem.jit(_gelu_norm_step, polymorphic_shapes=_GELU_SHAPES, constraints=("b <= 16",))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", jaxmem.JaxmemWarning)
         for n in (8, 16):  # 4096 and 8192 rows
-            args = [jnp.ones((n, 512, 64)), jnp.ones((n, 512, 128)), jnp.ones((n, 512, 128)),
-                    jnp.ones((128, 64))]
+            args = [jnp.ones(s, dtype) for s in ((n, 512, 64), (n, 512, 128), (n, 512, 128),
+                                                  (128, 64))]
             plan = f.compile_level(0, *args)
             error = plan.predicted_peak_bytes / plan.peak_bytes - 1
-            assert abs(error) <= 0.02, (n, error)
+            assert abs(error) <= bound, (n, error)

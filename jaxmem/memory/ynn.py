@@ -87,8 +87,10 @@ def _is_view_sum(graph: Graph, node_index: int) -> bool:
 
 
 #: Ops a row sum's YNN fusion grows through: the library's element-wise table, and the
-#: jaxpr ops XLA sees as an add or a view. A ``select_n`` (a mask) ends it; converts are
-#: left out (the bf16 steps' fusions were not read).
+#: jaxpr ops XLA sees as an add or a view. A ``select_n`` (a mask) ends it. A convert
+#: is taken too, but a dot reached only through one counts only with a prologue
+#: (measured on the bf16 GPT: its last layer's MLP joins ``ln_f``'s fusion, while the
+#: softmax backward's ``dP`` keeps its buffer there).
 YNN_ELEMENTWISE = (LIBRARY_ELEMENTWISE - {"convert_element_type"}) | {
     "add_any", "broadcast_in_dim", "reshape"}
 
@@ -145,9 +147,10 @@ def _all_fused(graph: Graph, v: int, fused: set[int], used: Sequence[bool]) -> b
 
 
 def _row_fusion(graph: Graph, reduction: int, hops: int, used: Sequence[bool]
-                ) -> tuple[set[int], list[int]]:
+                ) -> tuple[set[int], list[tuple[int, bool]]]:
     """The nodes of the YNN fusion grown from row sum ``reduction`` and the dot results
-    inside it (whose own operands are the fusion's parameters)."""
+    inside it (whose own operands are the fusion's parameters), each with whether the
+    fusion reached it only through a dtype convert."""
     consumers, producers, nodes = graph.consumers, graph.producers, graph.nodes
     fuses = lambda ni: (nodes[ni].primitive in YNN_ELEMENTWISE  # noqa: E731
                         or _is_view_sum(graph, ni))
@@ -161,7 +164,8 @@ def _row_fusion(graph: Graph, reduction: int, hops: int, used: Sequence[bool]
         fused.update(users)
         outs = [nodes[u].outputs[0] for u in users]
     shape = graph.values[nodes[reduction].inputs[0]].shape
-    dots: list[int] = []
+    dots: dict[int, bool] = {}
+    converted = {reduction: False}
     for _ in range(hops):  # to a fixpoint: a producer joins once all its readers have
         grown = False
         for ni in list(fused):
@@ -170,17 +174,18 @@ def _row_fusion(graph: Graph, reduction: int, hops: int, used: Sequence[bool]
                 if (p is None or p in fused or graph.values[x].shape != shape
                         or len(nodes[p].outputs) != 1 or not _all_fused(graph, x, fused, used)):
                     continue
+                via = converted.get(ni, False)
                 if nodes[p].primitive == "dot_general":
-                    if x not in dots:
-                        dots.append(x)
+                    dots[x] = dots.get(x, via) and via
                     continue
-                if not fuses(p):
+                if not fuses(p) and nodes[p].primitive != "convert_element_type":
                     continue
                 fused.add(p)
+                converted[p] = via or nodes[p].primitive == "convert_element_type"
                 grown = True
         if not grown:
             break
-    return fused, dots
+    return fused, list(dots.items())
 
 
 def _prologue(graph: Graph, dot: int, fused: set[int], used: Sequence[bool], hops: int = 16
@@ -197,7 +202,8 @@ def _prologue(graph: Graph, dot: int, fused: set[int], used: Sequence[bool], hop
             for x in nodes[ni].inputs:
                 p = producers.get(x)
                 if (p is None or p in chain or nodes[p].primitive not in LIBRARY_ELEMENTWISE
-                        or len(nodes[p].outputs) != 1 or graph.values[x].dtype != "float32"
+                        or len(nodes[p].outputs) != 1
+                        or graph.values[x].dtype not in ("float32", "bfloat16")
                         or not _all_fused(graph, x, members | chain, used)):
                     continue
                 chain.add(p)
@@ -215,9 +221,13 @@ def _row_fusions(graph: Graph, used: Sequence[bool] | None, hops: int = 8
     out = []
     for node in graph.nodes:
         if node.primitive == "reduce_sum" and used[node.index] and _is_row_sum(graph, node.index):
-            fused, dots = _row_fusion(graph, node.index, hops, used)
-            chain = set().union(*(_prologue(graph, graph.producers[d], fused, used)
-                                  for d in dots))
+            fused, found = _row_fusion(graph, node.index, hops, used)
+            dots, chain = [], set()
+            for d, converted in found:
+                ops = _prologue(graph, graph.producers[d], fused, used)
+                if ops or not converted:
+                    dots.append(d)
+                    chain |= ops
             out.append((node.index, fused, dots, chain))
     return out
 
@@ -253,7 +263,7 @@ def prologue_constants(graph: Graph, order: Sequence[int], used: Sequence[bool],
         for key in sorted(keys, key=repr):
             if any(u not in chain for u in readers[key]):
                 _, shape, itemsize = key
-                nbytes = sympy.expand(itemsize * sympy.Mul(*shape) * from_rows(rows))
+                nbytes = sympy.expand(sympy.Max(itemsize, 4) * sympy.Mul(*shape) * from_rows(rows))
                 out.append(Extra(graph.nodes[reduction].inputs[0], nbytes, 0, end,
                                  "YNN fusion constant operand"))
     return out
