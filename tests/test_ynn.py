@@ -90,6 +90,30 @@ def test_softmax_backward_dot_is_fused_from_the_row_threshold() -> None:
         assert fused[dot].subs(sym("b"), n) == int(n * rows_per_b < YNN_MIN_ROWS)
 
 
+def _layer_norm_grad_bf16(x, scale, bias, w):
+    """The mixed-precision norm: statistics in float32, scale and bias applied in bf16."""
+    def loss(x, scale, bias, w):
+        x32 = x.astype(jnp.float32)
+        mu = x32.mean(-1, keepdims=True)
+        var = ((x32 - mu) ** 2).mean(-1, keepdims=True)
+        y = ((x32 - mu) * jax.lax.rsqrt(var + 1e-5)).astype(jnp.bfloat16)
+        y = y * scale.astype(jnp.bfloat16) + bias.astype(jnp.bfloat16)
+        return jnp.tanh((y @ w.astype(jnp.bfloat16)).astype(jnp.float32)).sum()
+    return jax.grad(loss, argnums=(0, 1, 2, 3))(x, scale, bias, w)
+
+
+def test_bf16_norm_scale_broadcast_is_float32() -> None:
+    (b,) = jax.export.symbolic_shape("b")
+    g = build_graph(jax.make_jaxpr(_layer_norm_grad_bf16)(
+        jax.ShapeDtypeStruct((b, 512, 256), jnp.bfloat16), _f32(256), _f32(256),
+        _f32(256, 256)))
+    order = list(range(len(g.nodes)))
+    (extra,) = shared_row_broadcasts(g, order, used_nodes(g), "cpu")  # the scale's bf16 copy
+    assert g.nodes[g.producers[extra.value]].inputs == (1,)
+    full = 512 * 256 * 4
+    assert [extra.nbytes.subs(sym("b"), n) for n in (4, 8)] == [0, 8 * full]
+
+
 def test_norm_scale_broadcast_lives_from_start_to_its_backward_reader() -> None:
     (b,) = jax.export.symbolic_shape("b")
     g = build_graph(jax.make_jaxpr(_layer_norm_grad)(

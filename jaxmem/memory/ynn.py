@@ -280,7 +280,9 @@ def shared_row_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[boo
     buffer of the rows' size, computed when its vector is (the program's start for a
     parameter) and read until its last reader (measured, jax 0.10.2: the plain GPT's
     ``wrapped_broadcast`` fusions at (8, 512), none at (4, 256), whose norms sum 1024
-    rows). Gated on the rows reaching :data:`YNN_MIN_ROWS`.
+    rows). Gated on the rows reaching :data:`YNN_MIN_ROWS`. A bfloat16 norm's scale is
+    broadcast in float32, the precision XLA CPU computes it in (the bf16 GPT's
+    ``convert_broadcast_fusion`` operands).
     """
     if backend != "cpu":
         return []
@@ -295,7 +297,7 @@ def shared_row_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[boo
         if not used[n.index] or n.kind != "elementwise" or len(n.outputs) != 1:
             continue
         out = graph.values[n.outputs[0]]
-        if out.dtype != "float32" or out.shape not in summed:
+        if out.dtype not in ("float32", "bfloat16") or out.shape not in summed:
             continue
         for v in n.inputs:  # a vector it reads broadcast along its rows
             if graph.values[v].shape == out.shape:
