@@ -12,7 +12,11 @@ row sums have 2048 outputs). A size threshold in the dims makes the buffer a
 
 The same fusions read a vector they multiply by (a norm's scale) as a full-size
 broadcast, which XLA's CSE shares between the forward and backward passes
-(:func:`shared_row_broadcasts`): a buffer from the threshold on.
+(:func:`shared_row_broadcasts`): a buffer from the threshold on. A fusion that holds a
+dot also takes in the element-wise ops before it whose every reader it holds (the last
+layer's gelu before the final norm), and reads their shared scalar constants as
+full-size buffers (:func:`prologue_constants`). Readers are counted as XLA's CSE leaves
+them: two that compute the same op on the same inputs are one.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -255,18 +259,21 @@ def prologue_constants(graph: Graph, order: Sequence[int], used: Sequence[bool],
             for key in constant_operands(graph, n):
                 readers.setdefault(key, []).append(n.index)
     pos = {n: p for p, n in enumerate(order)}
-    out = []
+    shared: dict[tuple, Extra] = {}  # one broadcast per constant and shape (CSE)
     for reduction, fused, _, chain in fusions:
         rows = sympy.Mul(*graph.values[graph.nodes[reduction].outputs[0]].shape)
         end = max(pos[ni] for ni in fused)
         keys = {k for ni in chain for k in constant_operands(graph, graph.nodes[ni])}
         for key in sorted(keys, key=repr):
-            if any(u not in chain for u in readers[key]):
-                _, shape, itemsize = key
-                nbytes = sympy.expand(sympy.Max(itemsize, 4) * sympy.Mul(*shape) * from_rows(rows))
-                out.append(Extra(graph.nodes[reduction].inputs[0], nbytes, 0, end,
-                                 "YNN fusion constant operand"))
-    return out
+            if key in shared:
+                x = shared[key]
+                shared[key] = Extra(x.value, x.nbytes, x.start, max(x.end, end), x.note)
+            elif any(u not in chain for u in readers[key]):
+                _, shape, itemsize = key  # XLA CPU computes a bf16 chain in float32
+                nbytes = sympy.expand(max(itemsize, 4) * sympy.Mul(*shape) * from_rows(rows))
+                shared[key] = Extra(graph.nodes[reduction].inputs[0], nbytes, 0, end,
+                                    "YNN fusion constant operand")
+    return list(shared.values())
 
 
 def shared_row_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[bool],
