@@ -24,6 +24,8 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import sympy
 
 from jaxmem.graph import Graph, Node
@@ -125,6 +127,17 @@ def constant_operands(graph: Graph, node: Node, fold: bool = True) -> list[tuple
         if val is not None and getattr(val, "shape", ()) == ():
             keys.append((float(val), out.shape, itemsize))
     return keys
+
+
+def constant_readers(graph: Graph, used: Sequence[bool]) -> dict[tuple, list[int]]:
+    """The used nodes reading each :func:`constant_operands` key: where XLA's CSE would
+    share one broadcast of that constant at that shape."""
+    readers: dict[tuple, list[int]] = {}
+    for n in graph.nodes:
+        if used[n.index]:
+            for key in constant_operands(graph, n):
+                readers.setdefault(key, []).append(n.index)
+    return readers
 
 
 def _scaled(graph: Graph, v: int, hops: int = 4) -> bool:

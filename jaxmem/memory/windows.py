@@ -39,7 +39,12 @@ import sympy
 
 from jaxmem.graph import Graph
 from jaxmem.memory.fusion import Extra, copy_start
-from jaxmem.memory.library import constant_operands, library_window, pooling_region
+from jaxmem.memory.library import (
+    constant_operands,
+    constant_readers,
+    library_window,
+    pooling_region,
+)
 
 
 def conv_copies(graph: Graph, order: Sequence[int],
@@ -92,11 +97,7 @@ def window_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[bool],
     windows = [n for n in graph.nodes if used[n.index] and library_window(graph, n)]
     if not windows:
         return []
-    users: dict[tuple, list[int]] = {}
-    for n in graph.nodes:
-        if used[n.index]:
-            for key in constant_operands(graph, n):
-                users.setdefault(key, []).append(n.index)
+    users = constant_readers(graph, used)
     out = []
     for w in windows:
         region = pooling_region(graph, w)

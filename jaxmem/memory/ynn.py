@@ -41,7 +41,7 @@ import sympy
 
 from jaxmem.graph import Graph
 from jaxmem.memory.fusion import Extra, used_nodes
-from jaxmem.memory.library import LIBRARY_ELEMENTWISE, constant_operands
+from jaxmem.memory.library import LIBRARY_ELEMENTWISE, constant_operands, constant_readers
 
 #: YNN's ``kMinElements``: a row reduction with fewer outputs stays in XLA's own code.
 YNN_MIN_ROWS = 4096
@@ -253,11 +253,7 @@ def prologue_constants(graph: Graph, order: Sequence[int], used: Sequence[bool],
     fusions = [f for f in _row_fusions(graph, used) if f[3]]
     if not fusions:
         return []
-    readers: dict[tuple, list[int]] = {}
-    for n in graph.nodes:
-        if used[n.index]:
-            for key in constant_operands(graph, n):
-                readers.setdefault(key, []).append(n.index)
+    readers = constant_readers(graph, used)
     pos = {n: p for p, n in enumerate(order)}
     shared: dict[tuple, Extra] = {}  # one broadcast per constant and shape (CSE)
     for reduction, fused, _, chain in fusions:
