@@ -285,10 +285,7 @@ def test_symbolic_peak_at_a_point_agrees_with_the_concrete_analysis(
     outs = int(concrete.memory.output_bytes)
     _event("reuse peak exact" if symbolic == conc else "reuse peak differs")
     assert upper - outs <= conc <= upper, (recipe, point)
-    if not _generic(report, dims):
-        # Two sizes are equal here (b == 1, ...): the concrete model may share a buffer the
-        # symbolic one cannot prove equal everywhere, so the symbolic side is bounded by its
-        # own no-reuse peak (which errs high, test_peak_without_output_reuse...).
+    if not _generic(report, dims):  # degenerate point: the symbolic side errs high (above)
         m = report.memory
         upper = max(upper, _at(m.argument_bytes + m.output_bytes - m.alias_bytes
                                + m.temp_bytes_without_reuse, report, dims))
@@ -369,9 +366,8 @@ def test_domain_corners(dims: dict[str, int]) -> None:
 
 
 def test_regression_degenerate_point_bounds_the_reuse_peak_by_its_own_model() -> None:
-    """At b = 1 a column sum of a (b, b) input and its broadcast have one size, so the
-    concrete model writes the broadcast into the sum's buffer; the symbolic one keeps both
-    (20 bytes against the concrete no-reuse bound of 16: the test compared with that)."""
+    """At b = 1 a column sum of a (b, b) input and its broadcast have one size: the concrete
+    model writes one into the other's buffer, the symbolic one keeps both (20 > 16 bytes)."""
     recipe = Recipe(inputs=(("b", "b"), ("b",), ("b",)),
                     ops=(Op("reduce_sum", (0,), 0, ("b",)), Op("tanh", (0,), None, ("b", "b")),
                          Op("broadcast", (3,), None, ("b", "b"))),
