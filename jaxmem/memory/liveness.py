@@ -31,7 +31,7 @@ from jaxmem.memory.fusion import (
 )
 from jaxmem.memory.precision import buffer_sizes, operand_copies
 from jaxmem.memory.windows import conv_copies, window_broadcasts
-from jaxmem.memory.ynn import row_fused_sizes, row_fusion_extras
+from jaxmem.memory.ynn import row_fused_sizes, row_fusion_extras, row_fusions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +82,8 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     backend = backend or jax.default_backend()
     owner = materialised(graph) if owner is None else owner
     used = used_nodes(graph) if used is None else used
-    widened = buffer_sizes(graph, owner, backend)
-    sizes = {**widened, **row_fused_sizes(graph, owner, widened, backend, used)}
+    widened, fusions = buffer_sizes(graph, owner, backend), row_fusions(graph, used, backend)
+    sizes = {**widened, **row_fused_sizes(graph, owner, widened, backend, fusions)}
     size = lambda v: sizes.get(v, graph.values[v].nbytes)  # noqa: E731
     srcs = _buffer_sources(graph, owner)
     copied: set[tuple[int, int]] = set()
@@ -113,7 +113,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
               *operand_copies(graph, order, owner, backend, widened),
               *conv_copies(graph, order, size),
               *window_broadcasts(graph, order, used, backend),
-              *row_fusion_extras(graph, order, used, backend)):
+              *row_fusion_extras(graph, order, used, backend, fusions)):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
     return tuple(buffers)
 

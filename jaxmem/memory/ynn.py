@@ -43,6 +43,9 @@ from jaxmem.graph import Graph
 from jaxmem.memory.fusion import Extra, used_nodes
 from jaxmem.memory.library import LIBRARY_ELEMENTWISE, constant_operands, constant_readers
 
+#: A row sum's fusion: (reduction node, fused nodes, dot results, prologue nodes).
+RowFusion = tuple[int, set[int], list[int], set[int]]
+
 #: YNN's ``kMinElements``: a row reduction with fewer outputs stays in XLA's own code.
 YNN_MIN_ROWS = 4096
 
@@ -100,7 +103,7 @@ YNN_ELEMENTWISE = (LIBRARY_ELEMENTWISE - {"convert_element_type"}) | {
 
 
 def row_fused_dots(graph: Graph, owner: Mapping[int, int], used: Sequence[bool] | None = None,
-                   hops: int = 8) -> dict[int, sympy.Expr]:
+                   fusions: list[RowFusion] | None = None) -> dict[int, sympy.Expr]:
     """Dot results a row reduction's YNN fusion computes: value id -> the factor of its
     buffer's bytes (:func:`below_rows` of the reduction's outputs).
 
@@ -113,7 +116,8 @@ def row_fused_dots(graph: Graph, owner: Mapping[int, int], used: Sequence[bool] 
     the fusion too.
     """
     out: dict[int, sympy.Expr] = {}
-    for reduction, _, dots, chain in _row_fusions(graph, used, hops):
+    fusions = row_fusions(graph, used) if fusions is None else fusions
+    for reduction, _, dots, chain in fusions:
         rows = sympy.Mul(*graph.values[graph.nodes[reduction].outputs[0]].shape)
         computed = [*dots, *(graph.nodes[ni].outputs[0] for ni in chain)]
         for v in computed:
@@ -123,13 +127,14 @@ def row_fused_dots(graph: Graph, owner: Mapping[int, int], used: Sequence[bool] 
 
 
 def row_fused_sizes(graph: Graph, owner: Mapping[int, int], widened: Mapping[int, sympy.Expr],
-                    backend: str, used: Sequence[bool] | None = None) -> dict[int, sympy.Expr]:
+                    backend: str, fusions: list[RowFusion]) -> dict[int, sympy.Expr]:
     """Buffer bytes of the dots :func:`row_fused_dots` finds on ``backend`` (only XLA's CPU
-    backend has YNN); ``widened``: sizes other rules already changed."""
+    backend has YNN) in ``fusions`` (:func:`row_fusions`); ``widened``: sizes other rules
+    already changed."""
     if backend != "cpu":
         return {}
     return {v: sympy.expand(widened.get(v, graph.values[v].nbytes) * factor)
-            for v, factor in row_fused_dots(graph, owner, used).items()}
+            for v, factor in row_fused_dots(graph, owner, fusions=fusions).items()}
 
 
 def _same_op(graph: Graph, a: int, b: int) -> bool:
@@ -217,10 +222,13 @@ def _prologue(graph: Graph, dot: int, fused: set[int], used: Sequence[bool], hop
     return chain
 
 
-def _row_fusions(graph: Graph, used: Sequence[bool] | None, hops: int = 8
-                 ) -> list[tuple[int, set[int], list[int], set[int]]]:
-    """Each used row sum's YNN fusion: ``(reduction, fused nodes, dot results, prologue
-    nodes)``."""
+def row_fusions(graph: Graph, used: Sequence[bool] | None, backend: str = "cpu", hops: int = 8
+                ) -> list[RowFusion]:
+    """Each used row sum's YNN fusion on ``backend`` (none off XLA's CPU): ``(reduction,
+    fused nodes, dot results, prologue nodes)``; one list serves :func:`row_fused_sizes`
+    and :func:`row_fusion_extras`."""
+    if backend != "cpu":
+        return []
     used = used_nodes(graph) if used is None else used
     out = []
     for node in graph.nodes:
@@ -237,7 +245,7 @@ def _row_fusions(graph: Graph, used: Sequence[bool] | None, hops: int = 8
 
 
 def prologue_constants(graph: Graph, order: Sequence[int], used: Sequence[bool],
-                       backend: str) -> list[Extra]:
+                       backend: str, fusions: list[RowFusion] | None = None) -> list[Extra]:
     """Full-size broadcasts of the scalar constants a row fusion's prologue reads.
 
     gelu's constants (0.5, 1, 0.044715, sqrt(2/pi)) are broadcast to the hidden size;
@@ -250,7 +258,7 @@ def prologue_constants(graph: Graph, order: Sequence[int], used: Sequence[bool],
     """
     if backend != "cpu":
         return []
-    fusions = [f for f in _row_fusions(graph, used) if f[3]]
+    fusions = [f for f in (row_fusions(graph, used) if fusions is None else fusions) if f[3]]
     if not fusions:
         return []
     readers = constant_readers(graph, used)
@@ -338,8 +346,8 @@ def _vector_source(graph: Graph, v: int, width: sympy.Expr, hops: int = 3) -> in
 
 
 def row_fusion_extras(graph: Graph, order: Sequence[int], used: Sequence[bool],
-                      backend: str) -> list[Extra]:
+                      backend: str, fusions: list[RowFusion]) -> list[Extra]:
     """The buffers the row fusions' operands add: :func:`shared_row_broadcasts` and
     :func:`prologue_constants`."""
     return [*shared_row_broadcasts(graph, order, used, backend),
-            *prologue_constants(graph, order, used, backend)]
+            *prologue_constants(graph, order, used, backend, fusions)]
