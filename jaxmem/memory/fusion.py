@@ -293,7 +293,8 @@ def _canonical_dot_operands(dims: tuple, ranks: tuple[int, int]) -> tuple[bool, 
 
 def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
                       size: Callable[[int], sympy.Expr] | None = None,
-                      reads: set[tuple[int, int]] | None = None) -> list[Extra]:
+                      reads: set[tuple[int, int]] | None = None,
+                      used: Sequence[bool] | None = None) -> list[Extra]:
     """Copies of dot operands XLA has to transpose (see ``_canonical_dot_operands``).
 
     In a train step these are transposed activations for the weight-gradient
@@ -303,6 +304,7 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
     bytes where they differ from the jaxpr's (float32 buffers of low-precision
     values, :mod:`jaxmem.memory.precision`). ``reads``, when given, gets each
     ``(dot node, operand)`` read through a copy (the dot does not read the original).
+    ``used``: ``used_nodes(graph)``; a dead dot (XLA removes it) copies nothing.
     """
     reads = set() if reads is None else reads
     size = size or (lambda v: graph.values[v].nbytes)
@@ -310,7 +312,7 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
     pos = {n: p for p, n in enumerate(order)}
     for p, ni in enumerate(order):
         node = graph.nodes[ni]
-        if node.primitive != "dot_general":
+        if node.primitive != "dot_general" or (used is not None and not used[ni]):
             continue
         params = dict(node.params)
         if "dimension_numbers" not in params:

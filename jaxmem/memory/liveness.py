@@ -87,7 +87,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     size = lambda v: sizes.get(v, graph.values[v].nbytes)  # noqa: E731
     srcs = _buffer_sources(graph, owner)
     copied: set[tuple[int, int]] = set()
-    copies = transposed_copies(graph, order, owner, size, copied)
+    copies = transposed_copies(graph, order, owner, size, copied, used)
     pos = {n: p for p, n in enumerate(order)}
     prods = graph.producers
     early = {x.value for x in copies  # copies made as soon as their operand is written
@@ -103,8 +103,13 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
         v = base.get(x.value, x.value)
         last_use[v] = max(last_use.get(v, x.start), x.start)
     outputs = _output_buffers(graph, order, owner, first_def)
+    # Sharing is decided on the unfused sizes: a row-fused value's Piecewise size never
+    # equals its reader's, though where it is materialised (few rows) the two are equal.
+    # An operand that is never fused away is preferred: it is a buffer at every shape.
+    unfused = lambda v: widened.get(v, graph.values[v].nbytes)  # noqa: E731
     reuse_end, in_output, taken = _shared_buffers(graph, order, owner, srcs, last_use,
-                                                  outputs, size)
+                                                  outputs, unfused,
+                                                  lambda v: size(v) != unfused(v))
     held = _held_outputs(first_def, outputs, taken)
     buffers = _value_buffers(graph, len(order), owner, outputs, {**first_def, **held},
                              last_use, reuse_end, in_output, size)
@@ -208,7 +213,8 @@ def _output_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
 
 def _shared_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
                     srcs: Callable[[int], frozenset[int]], last_use: dict[int, int],
-                    outputs: set[int], size: Callable[[int], sympy.Expr]
+                    outputs: set[int], size: Callable[[int], sympy.Expr],
+                    fused: Callable[[int], bool]
                     ) -> tuple[dict[int, int], set[int], dict[int, int]]:
     """XLA's buffer sharing: an elementwise or in-place op writes into an operand dying there.
 
@@ -237,6 +243,7 @@ def _shared_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
                      if owner.get(i, i) == i and i not in inputs and last_use.get(i) == p
                      and size(i) == size(o)
                      and i not in reuse_end and i not in outputs]
+            cands.sort(key=fused)
             if n.kind == "inplace" and n.inputs:
                 first = srcs(n.inputs[0])
                 cands = [c for c in cands if c in first][:1]
