@@ -103,13 +103,8 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
         v = base.get(x.value, x.value)
         last_use[v] = max(last_use.get(v, x.start), x.start)
     outputs = _output_buffers(graph, order, owner, first_def)
-    # Sharing is decided on the unfused sizes: a row-fused value's Piecewise size never
-    # equals its reader's, though where it is materialised (few rows) the two are equal.
-    # An operand that is never fused away is preferred: it is a buffer at every shape.
-    unfused = lambda v: widened.get(v, graph.values[v].nbytes)  # noqa: E731
     reuse_end, in_output, taken = _shared_buffers(graph, order, owner, srcs, last_use,
-                                                  outputs, unfused,
-                                                  lambda v: size(v) != unfused(v))
+                                                  outputs, widened, sizes)
     held = _held_outputs(first_def, outputs, taken)
     buffers = _value_buffers(graph, len(order), owner, outputs, {**first_def, **held},
                              last_use, reuse_end, in_output, size)
@@ -213,10 +208,15 @@ def _output_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
 
 def _shared_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
                     srcs: Callable[[int], frozenset[int]], last_use: dict[int, int],
-                    outputs: set[int], size: Callable[[int], sympy.Expr],
-                    fused: Callable[[int], bool]
+                    outputs: set[int], widened: dict[int, sympy.Expr],
+                    sizes: dict[int, sympy.Expr]
                     ) -> tuple[dict[int, int], set[int], dict[int, int]]:
     """XLA's buffer sharing: an elementwise or in-place op writes into an operand dying there.
+
+    Sharing is decided on the sizes before row fusions (``widened``): a row-fused
+    value's ``Piecewise`` size (``sizes``) never equals its reader's, though where it is
+    materialised (few rows) the two are equal. An operand never fused away is
+    preferred: it is a buffer at every shape.
 
     Returns:
         ``(reuse_end, in_output, taken)``: for each operand whose buffer a result takes
@@ -226,6 +226,12 @@ def _shared_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
         Walking backwards lets a result own the buffer from the birth of the
         first operand of a chain.
     """
+    def size(v: int) -> sympy.Expr:
+        return widened.get(v, graph.values[v].nbytes)
+
+    def fused(v: int) -> bool:
+        return sizes.get(v, graph.values[v].nbytes) != size(v)
+
     inputs = set(graph.inputs)
     reuse_end: dict[int, int] = {}
     in_output: set[int] = set()
