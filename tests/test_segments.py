@@ -8,6 +8,9 @@ oracle for every peak; the hand-written reference is compiled here, never assume
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +21,7 @@ from bench.programs import gpt_program
 from jaxmem.dims import sym
 from jaxmem.graph import build_graph
 from jaxmem.lower import compiler_options
-from jaxmem.plan.segments import SegmentPlan, find_segments, segment_candidates
+from jaxmem.plan.segments import SegmentPlan, Segments, find_segments, segment_candidates
 
 LAYERS, B, S = 3, 2, 64
 CONFIG = dict(layers=LAYERS, d=64, heads=2, vocab=64, max_b=B, max_s=S)
@@ -87,3 +90,52 @@ def test_a_budget_the_hand_policy_meets_is_met(program, args, checkpointed_peak)
     plan = f.plan_for(*args)
     print(f"\nbudget {budget} B: level {plan.level}, XLA {plan.peak_bytes} B; {plan.guard}")
     assert plan.peak_bytes <= budget
+
+
+def test_kept_cuts_align_across_traces_of_a_differently_traced_tail():
+    """A kept cut maps onto the other trace's cuts by signature, a stretch traced
+    differently (one gather here, a slice and a squeeze there) onto its last cut."""
+    sym_cuts = ("add/3/float32",) * 3 + ("gather/2/float32", "reduce_sum/0/float32")
+    concrete = ("add/3/float32",) * 3 + ("slice/3/float32", "squeeze/2/float32",
+                                         "reduce_sum/0/float32")
+    def segments(sigs: tuple[str, ...]) -> Segments:
+        return Segments(tuple(range(len(sigs))), tuple(range(len(sigs))), (), signatures=sigs)
+    every = SegmentPlan(len(sym_cuts) + 1).resolved(segments(sym_cuts))
+    assert every.kept_on(segments(sym_cuts)) == every.kept
+    assert every.kept_on(segments(concrete)) == (0, 1, 2, 4, 5)
+    assert every.kept_on(segments(concrete[:3])) is None  # the tail's cuts are gone
+    assert dataclasses.replace(every, signatures=()).kept_on(segments(concrete)) is None
+
+
+def test_a_segment_level_applies_where_the_traces_differ_in_the_loss():
+    """``x[0, :-1]`` is a gather over a symbolic length and a slice and a squeeze over a
+    concrete one: the concrete trace has one cut more. Every segment level must still
+    be applied there (before: none was, a warning said so, and XLA's peak stayed level
+    0's while the prediction was the segment plan's)."""
+    def step(ws, x):
+        def loss(ws):
+            h = x
+            for up, down in ws:
+                u = jnp.tanh(h @ up)
+                h = h + jnp.tanh(u * jnp.exp(u)) @ down
+            return (h[0, :-1] ** 2).sum()
+        return jax.grad(loss)(ws)
+
+    rng = np.random.default_rng(0)
+    ws = [tuple(jnp.asarray(0.1 * rng.standard_normal(s), jnp.float32)
+                for s in ((32, 128), (128, 32))) for _ in range(4)]
+    x = jnp.asarray(rng.standard_normal((8, 64, 32)), jnp.float32)
+    f = jaxmem.jit(step, polymorphic_shapes=(None, "b, s, _"),
+                   constraints=("b <= 8", "s <= 64", "s >= 2"))
+    levels = f.plans(ws, x).levels
+    segment = [k for k, lv in enumerate(levels) if lv.segments is not None]
+    assert segment, [lv.recompute for lv in levels]
+    base = f.compile_level(0, ws, x).peak_bytes
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "jaxmem: .* is not applied", jaxmem.JaxmemWarning)
+        for k in segment:
+            plan = f.compile_level(k, ws, x)
+            assert plan.peak_bytes < base, (k, levels[k].segments, plan.peak_bytes, base)
+    want = jax.jit(step)(ws, x)
+    for a, b in zip(jax.tree.leaves(plan.run(ws, x)), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)

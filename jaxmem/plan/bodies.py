@@ -53,7 +53,7 @@ from jaxmem.plan.pareto import on_frontier
 from jaxmem.plan.remat import apply_remat
 from jaxmem.plan.residuals import find_residuals, is_forward
 from jaxmem.plan.segment_levels import apply_segment_plan
-from jaxmem.plan.segments import SegmentPlan, batch_inputs
+from jaxmem.plan.segments import SegmentPlan, batch_inputs, decode_segment_plan, encode_segment_plan
 from jaxmem.symbolic import ShapeDomain, sym
 
 #: A body level must lower the step's peak by this share somewhere to be kept.
@@ -252,8 +252,7 @@ def encode_body_plan(plan: BodyPlan) -> list[Any]:
     def rule(r: BodyRule) -> list[Any]:
         seg, loops = r.segments, r.loops
         return [list(r.recompute),
-                None if seg is None else [seg.count, sorted(seg.save), list(seg.kept),
-                                          seg.n_cuts],
+                None if seg is None else encode_segment_plan(seg),
                 list(r.batch),
                 None if loops is None else [
                     [list(d) for d in loops.drop], loops.saved_primitive, loops.label,
@@ -269,8 +268,7 @@ def decode_body_plan(data: Sequence[Any]) -> BodyPlan:
         return tuple(int(i) for i in xs)
 
     def rule(groups: Sequence[Any], seg: Any, batch: Sequence[Any], loops: Any) -> BodyRule:
-        segments = None if seg is None else SegmentPlan(
-            int(seg[0]), frozenset(str(x) for x in seg[1]), ints(seg[2]), int(seg[3]))
+        segments = None if seg is None else decode_segment_plan(seg)
         loop = None if loops is None else LoopPlan(
             tuple(ints(d) for d in loops[0]), str(loops[1]), str(loops[2]),
             None if loops[3] is None else tuple(ints(o) for o in loops[3]))

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -75,7 +76,7 @@ def segment_levels(graph: Graph, dom: ShapeDomain, residuals: Sequence[Residual]
         return [], []
     plans = [p.resolved(segs) for p in segment_candidates(len(segs.cuts))]
     finest = SegmentPlan(len(segs.cuts) + 1).resolved(segs)
-    keeping = [SegmentPlan(finest.count, save, finest.kept, finest.n_cuts)
+    keeping = [dataclasses.replace(finest, save=save)
                for save in role_sets(graph, segs, finest, residuals, corner)]
     made = [_level(graph, dom, segs, p, residuals, donated, symbolic) for p in plans + keeping]
     return ([lv for lv in made[:len(plans)] if lv is not None],
@@ -159,13 +160,17 @@ def _level(graph: Graph, dom: ShapeDomain, segs: Segments, plan: SegmentPlan,
 def apply_segment_plan(graph: Graph, plan: SegmentPlan, batch: Sequence[int],
                        residuals: Sequence[Residual], where: str) -> Graph:
     """``graph`` (another trace of the planned step, or of a scan body) with segment plan
-    ``plan`` applied: its cuts found again from ``batch``; unchanged, with a warning that
-    names ``where``, when this trace has another number of cuts."""
+    ``plan`` applied: its kept cuts found again from ``batch`` (:meth:`SegmentPlan.kept_on`);
+    unchanged, with a warning that names ``where``, when some kept cut has no
+    counterpart in this trace."""
     segs = find_segments(graph, batch=batch)
-    if len(segs.cuts) != plan.n_cuts:
+    kept = plan.kept_on(segs)
+    if kept is None:
         warnings.warn(f"jaxmem: {where} has {len(segs.cuts)} forward cuts where the symbolic "
-                      f"one has {plan.n_cuts}; {plan.name} is not applied at this shape",
-                      JaxmemWarning, stacklevel=5)
+                      f"one has {plan.n_cuts}, and not all the kept ones align; {plan.name} "
+                      "is not applied at this shape", JaxmemWarning, stacklevel=5)
         return graph
-    chosen, keep = segment_residuals(graph, segs, plan, residuals)
+    here = dataclasses.replace(plan, kept=kept, n_cuts=len(segs.cuts),
+                               signatures=segs.signatures)
+    chosen, keep = segment_residuals(graph, segs, here, residuals)
     return apply_remat(graph, chosen, (), tuple(residuals), keep, long_chains=True)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import difflib
 import itertools
 import math
 from collections.abc import Collection, Mapping, Sequence
@@ -55,6 +56,8 @@ class Segments:
         shared: activations read across most of the forward pass (kept by every plan).
         cut_flops: forward FLOPs done before each cut, at the domain's corner.
         total_flops: forward FLOPs in all, at the domain's corner.
+        signatures: each cut's producing primitive, rank and dtype, which two traces of
+            one step share whatever their shapes (:meth:`SegmentPlan.kept_on`).
     """
 
     cuts: tuple[int, ...]
@@ -62,6 +65,7 @@ class Segments:
     shared: tuple[int, ...]
     cut_flops: tuple[float, ...] = ()
     total_flops: float = 0.0
+    signatures: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,15 +78,17 @@ class SegmentPlan:
         save: primitives (``dot_general``: matmul outputs, as ``dots_saveable``) or
             residual groups (roles, :mod:`jaxmem.plan.knapsack`) whose values stay saved
             inside a segment.
-        kept: indices into the symbolic trace's cuts of the cuts kept, and
-        n_cuts: how many cuts that trace has; both set by :meth:`resolved`, once, so
-            that every concrete trace keeps the same cuts.
+        kept: indices into the symbolic trace's cuts of the cuts kept,
+        n_cuts: how many cuts that trace has, and
+        signatures: its cuts' :attr:`Segments.signatures`; all three set by
+            :meth:`resolved`, once, so that every concrete trace keeps the same cuts.
     """
 
     count: int
     save: frozenset[str] = frozenset()
     kept: tuple[int, ...] = ()
     n_cuts: int = 0
+    signatures: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -104,7 +110,45 @@ class SegmentPlan:
                 min(range(n), key=lambda i: (abs(segments.cut_flops[i] - target), i))
                 for target in (j * segments.total_flops / self.count
                                for j in range(1, self.count))}))
-        return dataclasses.replace(self, kept=kept, n_cuts=n)
+        return dataclasses.replace(self, kept=kept, n_cuts=n, signatures=segments.signatures)
+
+    def kept_on(self, segments: Segments) -> tuple[int, ...] | None:
+        """The kept cuts as indices into ``segments`` (another trace's cuts), or None when
+        some kept cut has no counterpart there.
+
+        Two traces of one step can differ away from the layers: with a symbolic length
+        ``x[:, :-1]`` is a gather, with a concrete one a slice and a squeeze (one cut
+        more). The cut sequences are aligned on their signatures; a kept cut in a stretch
+        traced differently maps to the cut as far from that stretch's end (the value
+        the next aligned cut reads), so a plan keeps its layer boundaries however the
+        loss's tail was traced.
+        """
+        if len(segments.cuts) == self.n_cuts and (
+                not self.signatures or self.signatures == segments.signatures):
+            return self.kept
+        if not self.signatures:
+            return None
+        where: dict[int, int] = {}
+        for tag, a1, a2, b1, b2 in difflib.SequenceMatcher(
+                None, self.signatures, segments.signatures, autojunk=False).get_opcodes():
+            if tag in ("equal", "replace") and b2 > b1:
+                where.update({i: max(b1, b2 - (a2 - i)) for i in range(a1, a2)})
+        if not all(i in where for i in self.kept):
+            return None
+        return tuple(sorted({where[i] for i in self.kept}))
+
+
+def encode_segment_plan(plan: SegmentPlan) -> list[Any]:
+    """``plan`` as JSON-ready data (:func:`decode_segment_plan` reads it back)."""
+    return [plan.count, sorted(plan.save), list(plan.kept), plan.n_cuts, list(plan.signatures)]
+
+
+def decode_segment_plan(data: Sequence[Any]) -> SegmentPlan:
+    """The :class:`SegmentPlan` of :func:`encode_segment_plan`'s ``data`` (an entry
+    written before signatures were stored has four fields: its plan aligns by count)."""
+    return SegmentPlan(int(data[0]), frozenset(str(x) for x in data[1]),
+                       tuple(int(i) for i in data[2]), int(data[3]),
+                       tuple(str(x) for x in data[4]) if len(data) > 4 else ())
 
 
 def batch_inputs(graph: Graph) -> tuple[int, ...]:
@@ -156,8 +200,10 @@ def find_segments(graph: Graph, corner: Mapping[Any, int] | None = None,
         if len(rest) == 1 and (v := next(iter(rest))) not in cuts and v not in inputs:
             cuts.append(v)
             cut_flops.append(done[p])
+    signatures = tuple(f"{graph.nodes[producers[v]].primitive}/{len(graph.values[v].shape)}/"
+                       f"{graph.values[v].dtype}" for v in cuts)
     return Segments(tuple(cuts), tuple(producers[v] for v in cuts), tuple(sorted(shared)),
-                    tuple(cut_flops), done[-1] if done else 0.0)
+                    tuple(cut_flops), done[-1] if done else 0.0, signatures)
 
 
 def segment_residuals(graph: Graph, segments: Segments, plan: SegmentPlan,

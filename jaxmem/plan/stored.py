@@ -48,7 +48,12 @@ from jaxmem.plan.offload import Costs
 from jaxmem.plan.remat import apply_remat
 from jaxmem.plan.residuals import Residual, find_residuals
 from jaxmem.plan.scan_pairs import find_scan_pairs
-from jaxmem.plan.segments import SegmentPlan, find_segments, segment_residuals
+from jaxmem.plan.segments import (
+    decode_segment_plan,
+    encode_segment_plan,
+    find_segments,
+    segment_residuals,
+)
 from jaxmem.schedulers import validate_order
 from jaxmem.symbolic import ShapeDomain
 
@@ -90,8 +95,7 @@ def _encode_level(level: Level, t: ExprTable) -> dict[str, Any]:
         "residuals": [[r.value, r.first_use] for r in level.residuals],
         "offloaded": [[r.value, r.first_use] for r in level.offloaded],
         "flops": t.add(level.recompute_flops), "graph": _size(level.graph),
-        "segments": None if seg is None else [seg.count, sorted(seg.save), list(seg.kept),
-                                              seg.n_cuts],
+        "segments": None if seg is None else encode_segment_plan(seg),
         "loops": None if level.loops is None else [
             [list(d) for d in level.loops.drop], level.loops.saved_primitive,
             level.loops.label, None if level.loops.saved_ordinals is None
@@ -163,8 +167,7 @@ def _decode_level(d: dict[str, Any], graph: Graph, residuals: tuple[Residual, ..
         return _decode_body_level(d, graph, exprs)
     chosen, moved = pick(d["residuals"]), pick(d["offloaded"])
     seg = d["segments"]
-    segments = None if seg is None else SegmentPlan(int(seg[0]), frozenset(seg[1]),
-                                                    tuple(int(i) for i in seg[2]), int(seg[3]))
+    segments = None if seg is None else decode_segment_plan(seg)
     if segments is None:
         g2 = apply_remat(graph, chosen, moved, residuals)
     else:
