@@ -114,14 +114,15 @@ class SegmentPlan:
 
     def kept_on(self, segments: Segments) -> tuple[int, ...] | None:
         """The kept cuts as indices into ``segments`` (another trace's cuts), or None when
-        some kept cut has no counterpart there.
+        the two traces share no cut.
 
         Two traces of one step can differ away from the layers: with a symbolic length
         ``x[:, :-1]`` is a gather, with a concrete one a slice and a squeeze (one cut
-        more). The cut sequences are aligned on their signatures; a kept cut in a stretch
-        traced differently maps to the cut as far from that stretch's end (the value
-        the next aligned cut reads), so a plan keeps its layer boundaries however the
-        loss's tail was traced.
+        more), and a value crossing a stretch on its own in one trace may have company
+        in the other. The cut sequences are aligned on their signatures: a kept cut in a
+        stretch traced differently maps to the cut as far from that stretch's end (the
+        value the next aligned cut reads), and one in a stretch with no cuts in this
+        trace is dropped (its segment joins the next: more re-run, no more memory).
         """
         if len(segments.cuts) == self.n_cuts and (
                 not self.signatures or self.signatures == segments.signatures):
@@ -129,13 +130,15 @@ class SegmentPlan:
         if not self.signatures:
             return None
         where: dict[int, int] = {}
+        shared = False
         for tag, a1, a2, b1, b2 in difflib.SequenceMatcher(
                 None, self.signatures, segments.signatures, autojunk=False).get_opcodes():
-            if tag in ("equal", "replace") and b2 > b1:
+            shared = shared or tag == "equal"
+            if tag in ("equal", "replace"):
                 where.update({i: max(b1, b2 - (a2 - i)) for i in range(a1, a2)})
-        if not all(i in where for i in self.kept):
+        if not shared:
             return None
-        return tuple(sorted({where[i] for i in self.kept}))
+        return tuple(sorted({where[i] for i in self.kept if i in where}))
 
 
 def encode_segment_plan(plan: SegmentPlan) -> list[Any]:
