@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxmem
 from bench.programs import gpt_program
@@ -140,3 +142,30 @@ def test_a_segment_level_applies_where_the_traces_differ_in_the_loss():
     want = jax.jit(step)(ws, x)
     for a, b in zip(jax.tree.leaves(plan.run(ws, x)), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sigs=st.lists(st.sampled_from(["add/3/float32", "dot_general/3/float32",
+                                      "gather/2/float32", "exp/4/float32"]), min_size=1,
+                     max_size=12),
+       edits=st.lists(st.tuples(st.integers(0, 11), st.sampled_from(["drop", "split"])),
+                      max_size=3),
+       count=st.integers(2, 13))
+def test_kept_cuts_map_to_valid_cuts_in_forward_order(sigs, edits, count):
+    """Whatever the other trace's cuts, the kept ones map to distinct cuts of it, in order;
+    an unedited trace keeps exactly the plan's cuts."""
+    def segments(s: tuple[str, ...]) -> Segments:
+        n = len(s)
+        return Segments(tuple(range(n)), tuple(range(n)), (), tuple(map(float, range(n))),
+                        float(n), s)
+
+    plan = SegmentPlan(count).resolved(segments(tuple(sigs)))
+    assert plan.kept_on(segments(tuple(sigs))) == plan.kept
+    other = list(sigs)
+    for at, how in edits:
+        if at < len(other):
+            other[at:at + 1] = [] if how == "drop" else ["slice/3/float32", other[at]]
+    kept = plan.kept_on(segments(tuple(other)))
+    if kept is not None:
+        assert list(kept) == sorted(set(kept)) and all(0 <= k < len(other) for k in kept)
+        assert len(kept) <= len(plan.kept)
