@@ -161,13 +161,12 @@ def apply_segment_plan(graph: Graph, plan: SegmentPlan, batch: Sequence[int],
                        residuals: Sequence[Residual], where: str) -> Graph:
     """``graph`` (another trace of the planned step, or of a scan body) with segment plan
     ``plan`` applied: its kept cuts found again from ``batch`` (:meth:`SegmentPlan.kept_on`);
-    unchanged, with a warning that names ``where``, when some kept cut has no
-    counterpart in this trace."""
+    unchanged, with a warning that names ``where``, when the two traces share no cut."""
     segs = find_segments(graph, batch=batch)
     kept = plan.kept_on(segs)
     if kept is None:
         warnings.warn(f"jaxmem: {where} has {len(segs.cuts)} forward cuts where the symbolic "
-                      f"one has {plan.n_cuts}, and not all the kept ones align; {plan.name} "
+                      f"one has {plan.n_cuts}, and none of them align; {plan.name} "
                       "is not applied at this shape", JaxmemWarning, stacklevel=5)
         return graph
     here = dataclasses.replace(plan, kept=kept, n_cuts=len(segs.cuts),

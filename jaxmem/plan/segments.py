@@ -122,7 +122,7 @@ class SegmentPlan:
         in the other. The cut sequences are aligned on their signatures: a kept cut in a
         stretch traced differently maps to the cut as far from that stretch's end (the
         value the next aligned cut reads), and one in a stretch with no cuts in this
-        trace is dropped (its segment joins the next: more re-run, no more memory).
+        trace is dropped (its segment joins the next, re-run in one piece with it).
         """
         if len(segments.cuts) == self.n_cuts and (
                 not self.signatures or self.signatures == segments.signatures):
