@@ -10,7 +10,10 @@ written one way the planner has not been tuned on:
   trip count);
 * ``cond``: a ``lax.cond`` on a data-dependent predicate after every layer;
 * ``user-remat``: every other layer already under the user's
-  ``jax.checkpoint(policy=dots_with_no_batch_dims_saveable)``.
+  ``jax.checkpoint(policy=dots_with_no_batch_dims_saveable)``;
+* ``vmap``: a per-sequence loss under ``jax.vmap``, its targets sliced off the logits
+  (``x[0, :-1]``: a gather with a symbolic length, a slice and a squeeze with a
+  concrete one, so the two traces' forward cuts differ).
 
 and the programs of :mod:`bench.unseen_programs`, which are no such decoder:
 ``accum`` (gradient accumulation under ``lax.scan``), ``cnn`` (a linen convnet),
@@ -127,10 +130,21 @@ def _user_remat_loss(p: dict[str, Any], tokens: jax.Array, key: jax.Array) -> ja
     return _next_token_loss(x, p, tokens)
 
 
+def _vmap_loss(p: dict[str, Any], tokens: jax.Array, key: jax.Array) -> jax.Array:
+    def one(t: jax.Array) -> jax.Array:  # one sequence: the batch is vmap's
+        x = p["emb"][t][None]
+        for lp in p["layers"]:
+            x = _block(x, lp, None)
+        logits = (x @ p["emb"].T)[0, :-1]  # a gather over a symbolic length
+        return optax.softmax_cross_entropy_with_integer_labels(logits, t[1:]).mean()
+
+    return jax.vmap(one)(tokens).mean()
+
+
 #: name -> (loss(params, tokens, key), layer params stacked)
 PROGRAMS: dict[str, tuple[Callable[..., jax.Array], bool]] = {
     "dropout": (_dropout_loss, False), "fori": (_fori_loss, True), "cond": (_cond_loss, False),
-    "user-remat": (_user_remat_loss, False)}
+    "user-remat": (_user_remat_loss, False), "vmap": (_vmap_loss, False)}
 
 
 def train_step(name: str, layers: int) -> tuple[Callable[..., Any], Any]:
@@ -160,8 +174,9 @@ def decoder_case(name: str, quick: bool) -> Case:
     layers, (b, s) = (1, (2, 16)) if quick else (3, (8, 64))
     step, state = train_step(name, layers)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (b, s)), jnp.int32)
+    shortest = ("s >= 2",) if name == "vmap" else ()  # x[0, :-1] must not be empty
     return Case(step, state, (tokens, jax.random.key(1)), (None, "b, s", None),
-                (f"b <= {b}", f"s <= {s}"))
+                (f"b <= {b}", f"s <= {s}", *shortest))
 
 
 def measure(name: str, case: Case) -> dict[str, Any]:
