@@ -94,14 +94,19 @@ def test_a_budget_the_hand_policy_meets_is_met(program, args, checkpointed_peak)
     assert plan.peak_bytes <= budget
 
 
+def segments(signatures: tuple[str, ...]) -> Segments:
+    """Cuts ``0..n-1`` with these signatures, one FLOP before each."""
+    n = len(signatures)
+    return Segments(tuple(range(n)), tuple(range(n)), (), tuple(map(float, range(n))),
+                    float(n), signatures)
+
+
 def test_kept_cuts_align_across_traces_of_a_differently_traced_tail():
     """A kept cut maps onto the other trace's cuts by signature, a stretch traced
     differently (one gather here, a slice and a squeeze there) onto its last cut."""
     sym_cuts = ("add/3/float32",) * 3 + ("gather/2/float32", "reduce_sum/0/float32")
     concrete = ("add/3/float32",) * 3 + ("slice/3/float32", "squeeze/2/float32",
                                          "reduce_sum/0/float32")
-    def segments(sigs: tuple[str, ...]) -> Segments:
-        return Segments(tuple(range(len(sigs))), tuple(range(len(sigs))), (), signatures=sigs)
     every = SegmentPlan(len(sym_cuts) + 1).resolved(segments(sym_cuts))
     assert every.kept_on(segments(sym_cuts)) == every.kept
     assert every.kept_on(segments(concrete)) == (0, 1, 2, 4, 5)
@@ -154,11 +159,6 @@ def test_a_segment_level_applies_where_the_traces_differ_in_the_loss():
 def test_kept_cuts_map_to_valid_cuts_in_forward_order(sigs, edits, count):
     """Whatever the other trace's cuts, the kept ones map to distinct cuts of it, in order;
     an unedited trace keeps exactly the plan's cuts."""
-    def segments(s: tuple[str, ...]) -> Segments:
-        n = len(s)
-        return Segments(tuple(range(n)), tuple(range(n)), (), tuple(map(float, range(n))),
-                        float(n), s)
-
     plan = SegmentPlan(count).resolved(segments(tuple(sigs)))
     assert plan.kept_on(segments(tuple(sigs))) == plan.kept
     other = list(sigs)

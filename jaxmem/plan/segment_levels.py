@@ -169,7 +169,6 @@ def apply_segment_plan(graph: Graph, plan: SegmentPlan, batch: Sequence[int],
                       f"one has {plan.n_cuts}, and none of them align; {plan.name} "
                       "is not applied at this shape", JaxmemWarning, stacklevel=5)
         return graph
-    here = dataclasses.replace(plan, kept=kept, n_cuts=len(segs.cuts),
-                               signatures=segs.signatures)
-    chosen, keep = segment_residuals(graph, segs, here, residuals)
+    chosen, keep = segment_residuals(graph, segs, dataclasses.replace(plan, kept=kept),
+                                     residuals)
     return apply_remat(graph, chosen, (), tuple(residuals), keep, long_chains=True)
