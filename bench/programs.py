@@ -75,12 +75,13 @@ def _train_state(params: Any, opt: optax.GradientTransformation) -> Any:
     return jax.eval_shape(lambda p: (p, opt.init(p)), params)
 
 
-def optax_step(loss_fn: Callable[..., jax.Array],
-               opt: optax.GradientTransformation) -> Callable[..., Any]:
-    """The plain train step ``((params, opt_state), *batch) -> (new state, loss)``."""
+def optax_step(loss_fn: Callable[..., jax.Array], opt: optax.GradientTransformation,
+               value_and_grad: Callable[..., Any] = jax.value_and_grad) -> Callable[..., Any]:
+    """The plain train step ``((params, opt_state), *batch) -> (new state, loss)``;
+    ``value_and_grad`` may be ``jaxmem.value_and_grad`` (microbatching)."""
     def step(state: Any, *batch: Any) -> Any:
         params, opt_state = state
-        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+        loss, grads = value_and_grad(loss_fn)(params, *batch)
         updates, opt_state = opt.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
@@ -195,7 +196,8 @@ def sinusoid(s: Any, d: int) -> jax.Array:
 def gpt_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
                 max_b: int = 16, max_s: int = 512, mlp_only: bool = False,
                 remat_policy: Callable[..., Any] | None = None,
-                dtype: Any = jnp.float32) -> Program:
+                dtype: Any = jnp.float32,
+                value_and_grad: Callable[..., Any] = jax.value_and_grad) -> Program:
     """A GPT-2-like causal LM on ``tokens: i32[b, s]`` (next-token CE loss, AdamW).
 
     Plain JAX with a Python loop over layers and no named scopes. ``mlp_only``
@@ -204,7 +206,8 @@ def gpt_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
     write by hand (e.g. ``jax.checkpoint_policies.nothing_saveable``). ``dtype`` is
     the compute dtype (mixed precision: float32 parameters and optimizer state,
     activations and matmuls in e.g. ``jnp.bfloat16``; norms, softmax and the loss
-    in float32), as the Llama's ``1b`` preset does.
+    in float32), as the Llama's ``1b`` preset does. ``value_and_grad`` takes the
+    gradient (``jaxmem.value_and_grad`` for a step ``Microbatch`` may split).
     """
     block = {"ln1": _ln_params(d), "ln2": _ln_params(d), "fc": _dense(None, d, 4 * d),
              "proj": _dense(None, 4 * d, d)}
@@ -228,7 +231,7 @@ def gpt_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
 
     name = (f"gpt{layers}x{d}" + ("-mlp" if mlp_only else "") + ("-remat" if remat_policy else "")
             + _dtype_suffix(dtype))
-    return _gpt(name, loss_fn, params, max_b, max_s)
+    return _gpt(name, loss_fn, params, max_b, max_s, value_and_grad)
 
 
 def gpt_scan_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
@@ -287,15 +290,15 @@ def _lm_loss(x: jax.Array, params: Any, tokens: jax.Array) -> jax.Array:
 
 
 def _gpt(name: str, loss_fn: Callable[..., jax.Array], params: Any, max_b: int,
-         max_s: int) -> Program:
+         max_s: int, value_and_grad: Callable[..., Any] = jax.value_and_grad) -> Program:
     """A next-token LM step on ``tokens: i32[b, s]`` under AdamW."""
     opt = optax.adamw(1e-3)
 
     def batch(dd: Dims) -> tuple[jax.ShapeDtypeStruct, ...]:
         return (jax.ShapeDtypeStruct((dd["b"], dd["s"]), jnp.int32),)
 
-    return Program(name, optax_step(loss_fn, opt), _train_state(params, opt), batch,
-                   ("b", "s"), (f"b <= {max_b}", f"s <= {max_s}"))
+    return Program(name, optax_step(loss_fn, opt, value_and_grad), _train_state(params, opt),
+                   batch, ("b", "s"), (f"b <= {max_b}", f"s <= {max_s}"))
 
 
 def concrete(tree: Any, seed: int) -> Any:

@@ -31,7 +31,7 @@ import jax
 from jaxmem.grad import microbatching
 from jaxmem.graph import Graph, JaxmemWarning, build_graph
 from jaxmem.plan.analysis import Analysis, as_struct
-from jaxmem.plan.bodies import BodyLevel, apply_body_plan
+from jaxmem.plan.bodies import BodyLevel, apply_body_plan, apply_in_chunks
 from jaxmem.plan.loops import with_loop_plan
 from jaxmem.plan.remat import apply_remat
 from jaxmem.plan.residuals import find_residuals
@@ -89,23 +89,12 @@ def rewrite_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tup
                                            return_shape=True)(
             *jax.tree_util.tree_unflatten(tree, avals))
     graph = build_graph(closed)
-    if isinstance(level, BodyLevel):
-        rewritten = apply_body_plan(graph, level.bodies)
-    elif level.loops is not None:
-        rewritten = with_loop_plan(graph, level.loops, level.recompute, level.offload)[0]
-    elif level.segments is not None:
-        rewritten = apply_segment_plan(graph, level.segments, batch_inputs(analysis.graph),
-                                       find_residuals(graph), "the concrete trace")
+    if microbatches > 1 and not isinstance(level, BodyLevel):
+        graph = apply_in_chunks(graph, level, batch_inputs(analysis.graph))
+        # what is left at the top is an uneven remainder's pass, if any
+        rewritten = _rewrite_top(analysis, k, graph) if find_residuals(graph) else graph
     else:
-        residuals = find_residuals(graph)
-        recompute, offload = set(level.recompute), set(level.offload)
-        missing = sorted((recompute | offload) - {r.group for r in residuals})
-        if missing:
-            warnings.warn(f"jaxmem: the concrete trace has no residual group {missing} of "
-                          f"level {k}; those residuals stay saved at this shape", JaxmemWarning,
-                          stacklevel=3)
-        rewritten = apply_remat(graph, [r for r in residuals if r.group in recompute],
-                                [r for r in residuals if r.group in offload], residuals)
+        rewritten = _rewrite_top(analysis, k, graph)
     order = analysis.orders[k] if apply_order else None
     enforced = False
     if order is not None and order != list(range(len(order))) and microbatches == 1:
@@ -118,3 +107,22 @@ def rewrite_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tup
     return Rewritten(rewritten, jax.tree_util.tree_structure(out_shape), enforced)
 
 
+def _rewrite_top(analysis: Analysis, k: int, graph: Graph) -> Graph:
+    """``graph`` with level ``k``'s plan applied to its own (top-level) forward pass."""
+    level = analysis.plans.levels[k]
+    if isinstance(level, BodyLevel):
+        return apply_body_plan(graph, level.bodies)
+    if level.loops is not None:
+        return with_loop_plan(graph, level.loops, level.recompute, level.offload)[0]
+    residuals = find_residuals(graph)
+    if level.segments is not None:
+        return apply_segment_plan(graph, level.segments, batch_inputs(analysis.graph),
+                                  residuals, "the concrete trace")
+    recompute, offload = set(level.recompute), set(level.offload)
+    missing = sorted((recompute | offload) - {r.group for r in residuals})
+    if missing:
+        warnings.warn(f"jaxmem: the concrete trace has no residual group {missing} of "
+                      f"level {k}; those residuals stay saved at this shape", JaxmemWarning,
+                      stacklevel=4)
+    return apply_remat(graph, [r for r in residuals if r.group in recompute],
+                       [r for r in residuals if r.group in offload], residuals)

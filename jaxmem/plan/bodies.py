@@ -51,7 +51,7 @@ from jaxmem.plan.loops import LoopPlan, with_loop_plan
 from jaxmem.plan.offload import Costs
 from jaxmem.plan.pareto import on_frontier
 from jaxmem.plan.remat import apply_remat
-from jaxmem.plan.residuals import find_residuals, is_forward
+from jaxmem.plan.residuals import clean_scope, find_residuals, is_forward
 from jaxmem.plan.segment_levels import apply_segment_plan
 from jaxmem.plan.segments import SegmentPlan, batch_inputs, decode_segment_plan, encode_segment_plan
 from jaxmem.symbolic import ShapeDomain, sym
@@ -154,6 +154,50 @@ def apply_body_plan(graph: Graph, plan: BodyPlan) -> Graph:
             node = graph.nodes[index]
             nodes[index] = _with_body(node, rewrite_body(node.subgraphs[0], rule))
     return dataclasses.replace(graph, nodes=tuple(nodes))
+
+
+def apply_in_chunks(graph: Graph, level: Level, batch: Sequence[int]) -> Graph:
+    """``graph``, a trace under :func:`jaxmem.grad.microbatching`, whose accumulation
+    scans run the chunk's forward and backward pass with ``level``'s recomputation.
+
+    ``level`` was planned on the whole step, whose forward pass each chunk's body now
+    runs; ``batch`` are the step's batch inputs (:func:`~jaxmem.plan.segments.batch_inputs`
+    of the symbolic trace), and a segment plan finds its cuts again from the body inputs
+    they feed. An offload level runs its chunks as they are.
+    """
+    rules = []
+    for index in body_scans(graph):
+        rule = _rule(level, graph.nodes[index].subgraphs[0])
+        if rule is not None:
+            scope = clean_scope(graph.nodes[index].scope)
+            segments = rule.segments and dataclasses.replace(
+                rule.segments, save=frozenset(_relative(g, scope) for g in rule.segments.save))
+            rule = dataclasses.replace(
+                rule, recompute=tuple(_relative(g, scope) for g in rule.recompute),
+                segments=segments, batch=_fed_by(graph, index, batch))
+        rules.append(rule)
+    return apply_body_plan(graph, BodyPlan(tuple(rules))) if rules else graph
+
+
+def _relative(group: str, scope: str) -> str:
+    """Residual group ``group`` of the whole step as the body of a scan in ``scope`` names
+    it: a body's scopes start at its scan's (``jaxmem.value_and_grad``'s scope)."""
+    head, colon, rest = group.partition(":")
+    if not colon or scope == "<top>":
+        return group
+    if head == scope:
+        return f"<top>:{rest}"
+    return f"{head.removeprefix(scope + '/')}:{rest}"
+
+
+def _fed_by(graph: Graph, index: int, batch: Sequence[int]) -> tuple[int, ...]:
+    """Positions among node ``index``'s operands (its body's inputs) of the values made
+    from the graph inputs at positions ``batch``."""
+    active = {graph.inputs[i] for i in batch}
+    for node in graph.nodes[:index]:
+        if any(v in active for v in node.inputs):
+            active.update(node.outputs)
+    return tuple(p for p, v in enumerate(graph.nodes[index].operands) if v in active)
 
 
 def _with_body(node: Node, body: Graph) -> Node:

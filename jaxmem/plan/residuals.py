@@ -116,8 +116,12 @@ def _label(graph: Graph, p: int) -> str:
 
 
 def _producer_primitive(graph: Graph, v: int) -> str:
+    """The primitive making ``v``; ``input`` for what the differentiated pass did not make
+    (an argument, or a microbatch's slice cut before it)."""
     p = graph.producers.get(v)
-    return graph.nodes[p].primitive if p is not None else "input"
+    if p is None or not (is_forward(graph.nodes[p].scope) or graph.nodes[p].is_backward):
+        return "input"
+    return graph.nodes[p].primitive
 
 
 def _made_from(graph: Graph, p: int) -> tuple[str, ...]:

@@ -176,7 +176,7 @@ def find_segments(graph: Graph, corner: Mapping[Any, int] | None = None,
     forward = [n for n in graph.nodes if not n.is_backward and is_forward(n.scope)]
     where = {n.index: p for p, n in enumerate(forward)}
     producers = graph.producers
-    inputs = {graph.inputs[i] for i in batch}
+    inputs = _sources(graph, batch)
     active = set(inputs)
     last_read: dict[int, int] = {}
     for p, n in enumerate(forward):
@@ -207,6 +207,16 @@ def find_segments(graph: Graph, corner: Mapping[Any, int] | None = None,
                        f"{graph.values[v].dtype}" for v in cuts)
     return Segments(tuple(cuts), tuple(producers[v] for v in cuts), tuple(sorted(shared)),
                     tuple(cut_flops), done[-1] if done else 0.0, signatures)
+
+
+def _sources(graph: Graph, batch: Collection[int]) -> set[int]:
+    """The batch inputs, and what the step makes of them outside any differentiated pass
+    (a microbatch's slice, targets built before the loss): the forward pass's sources."""
+    sources = {graph.inputs[i] for i in batch}
+    for n in graph.nodes:
+        if not n.is_backward and not is_forward(n.scope) and any(v in sources for v in n.inputs):
+            sources.update(n.outputs)
+    return sources
 
 
 def segment_residuals(graph: Graph, segments: Segments, plan: SegmentPlan,
