@@ -47,7 +47,8 @@ def _step(ws: list[jax.Array], x: jax.Array) -> tuple[jax.Array, list[jax.Array]
     return value, [w - 0.01 * g for w, g in zip(ws, grads, strict=True)]
 
 
-def _median_s(fn: Any, args: tuple[Any, ...], repeats: int) -> float:
+def median_s(fn: Any, args: tuple[Any, ...], repeats: int) -> float:
+    """Median seconds of ``repeats`` calls of ``fn(*args)`` after one warm-up call."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
@@ -72,7 +73,7 @@ def run(layers: int, d: int, b: int, repeats: int) -> dict[str, Any]:
         got = jax.tree_util.tree_leaves(plan.run(ws, x))
         diff = max(float(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)).max())
                    for g, w in zip(got, want, strict=True))
-        step_s = _median_s(plan.run, (ws, x), repeats)
+        step_s = median_s(plan.run, (ws, x), repeats)
         base_s = base_s or step_s
         m = plan.compiled.memory_analysis()
         rows.append({"level": k, "recompute": list(level.recompute),

@@ -302,10 +302,21 @@ def _gpt(name: str, loss_fn: Callable[..., jax.Array], params: Any, max_b: int,
 
 
 def concrete(tree: Any, seed: int) -> Any:
-    """Small random arrays (scale 0.02) in place of a pytree of ``jax.ShapeDtypeStruct``."""
+    """Small random arrays (scale 0.02) in place of a pytree of ``jax.ShapeDtypeStruct``.
+
+    Adam's second moments (``nu`` leaves of an optax state) are drawn non-negative, as
+    they are in training: a negative one makes the update NaN, and two NaN steps compare
+    equal however different their other outputs are.
+    """
     rng = np.random.default_rng(seed)
-    return jax.tree_util.tree_map(
-        lambda t: jnp.asarray(rng.standard_normal(t.shape).astype(t.dtype) * 0.02), tree)
+
+    def draw(path: Any, t: jax.ShapeDtypeStruct) -> jax.Array:
+        x = rng.standard_normal(t.shape) * 0.02
+        if any(getattr(k, "name", None) == "nu" for k in path):
+            x = np.abs(x)
+        return jnp.asarray(x.astype(t.dtype))
+
+    return jax.tree_util.tree_map_with_path(draw, tree)
 
 
 def attention_program(d: int = 128, heads: int = 2, vocab: int = 128, max_b: int = 16,

@@ -186,6 +186,19 @@ def test_offload_bench_writes_its_figures(tmp_path: Path) -> None:
         assert row["peak_bytes"] > 0 and row["max_abs_diff"] < 1e-4
 
 
+def test_microbatch_bench_writes_its_figures(tmp_path: Path) -> None:
+    from bench import microbatch
+
+    out = tmp_path / "microbatch.json"
+    assert microbatch.main(["--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["level"] == 0, r["microbatches"]) for r in rows} == {
+        (True, 1), (True, 2), (False, 1), (False, 2)}
+    for row in rows:
+        assert row["peak_bytes"] > 0 and row["max_abs_diff"] < 1e-4, row
+    assert (tmp_path / "microbatch.txt").read_text().startswith("backend")
+
+
 def test_reach_bench_writes_its_figures(tmp_path: Path) -> None:
     from bench import reach
 
