@@ -237,10 +237,11 @@ def gpt_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
 def gpt_scan_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int = 256,
                      max_b: int = 16, max_s: int = 512,
                      remat_policy: Callable[..., Any] | None = None,
-                     dtype: Any = jnp.float32, d_ff: int | None = None) -> Program:
+                     dtype: Any = jnp.float32, d_ff: int | None = None,
+                     value_and_grad: Callable[..., Any] = jax.value_and_grad) -> Program:
     """:func:`gpt_program` with ``lax.scan`` over stacked layer parameters (how MaxText
     and Levanter write it); ``remat_policy`` wraps the scanned body in ``jax.checkpoint``;
-    ``dtype``: the compute dtype, as for :func:`gpt_program`; ``d_ff`` is the MLP's
+    ``dtype`` and ``value_and_grad``: as for :func:`gpt_program`; ``d_ff`` is the MLP's
     inner width (default ``4 * d``).
     """
     ff = d_ff or 4 * d
@@ -262,7 +263,7 @@ def gpt_scan_program(layers: int = 4, d: int = 256, heads: int = 4, vocab: int =
         return _lm_loss(x, params, tokens)
 
     name = f"gpt{layers}x{d}-scan" + ("-remat" if remat_policy else "") + _dtype_suffix(dtype)
-    return _gpt(name, loss_fn, params, max_b, max_s)
+    return _gpt(name, loss_fn, params, max_b, max_s, value_and_grad)
 
 
 def gpt_block(x: jax.Array, p: Mapping[str, Any], heads: int, mlp_only: bool = False

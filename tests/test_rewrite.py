@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxmem
-from bench.programs import concrete, gpt_program
+from bench.programs import concrete, gpt_program, gpt_scan_program
 from jaxmem.graph import JaxmemWarning
 from jaxmem.plan.analysis import analyze_specs
 from jaxmem.rewrite import needs_rewrite, rewrite_level
@@ -51,17 +51,20 @@ def test_a_group_missing_on_the_concrete_trace_warns():
 
 
 @pytest.mark.parametrize("b, k, kind", [(8, 2, "segments"), (7, 3, "segments"),
-                                        (7, 3, "groups")])  # a remainder when k does not divide b
+                                        (7, 3, "groups"), (7, 3, "loops")])  # 7: a remainder
 def test_microbatches_run_the_level_inside_each_chunk(b, k, kind):
     sizes = {"layers": 2, "d": 32, "heads": 2, "vocab": 32, "max_b": 8, "max_s": 64}
-    program = gpt_program(**sizes, value_and_grad=jaxmem.value_and_grad)
+    make = gpt_scan_program if kind == "loops" else gpt_program
+    program = make(**sizes, value_and_grad=jaxmem.value_and_grad)
     f = jaxmem.jit(program.step, polymorphic_shapes=(None, "b, s"),
                    constraints=program.constraints)
     state = concrete(program.state, 0)
     tokens = jax.random.randint(jax.random.key(1), (b, 64), 0, 32)
     levels = f.plans(state, tokens).levels
-    of_kind = [i for i, lv in enumerate(levels) if lv.recompute and lv.loops is None
-               and (lv.segments is not None) == (kind == "segments")]
+    kinds = {"segments": lambda lv: lv.segments is not None and lv.loops is None,
+             "groups": lambda lv: lv.segments is None and lv.loops is None,
+             "loops": lambda lv: lv.loops is not None}
+    of_kind = [i for i, lv in enumerate(levels) if lv.recompute and kinds[kind](lv)]
     lowest = min(of_kind, key=lambda i: levels[i].peak_fn({"b": b, "s": 64}))
     with warnings.catch_warnings():
         warnings.simplefilter("error", JaxmemWarning)  # every group and cut found in the chunks
@@ -72,6 +75,7 @@ def test_microbatches_run_the_level_inside_each_chunk(b, k, kind):
     # the split level stays below the split step that saves everything.
     assert split.peak_bytes < whole.peak_bytes, (split.peak_bytes, whole.peak_bytes)
     assert split.peak_bytes < plain_split.peak_bytes, (split.peak_bytes, plain_split.peak_bytes)
-    got, want = split.compiled(state, tokens), jax.jit(gpt_program(**sizes).step)(state, tokens)
+    got, want = split.compiled(state, tokens), jax.jit(make(**sizes).step)(state, tokens)
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert np.isfinite(y).all()  # a NaN step would compare equal to any other
         np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)
