@@ -3,8 +3,8 @@
 A plain-JAX GPT (``bench.programs.gpt_program``, no named scopes) whose gradient is
 taken with ``jaxmem.value_and_grad``, so ``Microbatch`` may split it. Level 0 (save
 everything) and the plan's lowest level are compiled at one shape, whole and split
-into k accumulation steps; each row gives jaxmem's predicted peak of the level (on the
-whole batch: the split is not modelled), XLA's peak (``argument + output - alias +
+into k accumulation steps; each row gives jaxmem's predicted peak (of a split step: the
+memory model of the split trace at that shape), XLA's peak (``argument + output - alias +
 temp``), the step time as a ratio to level 0 whole, and the largest difference of its
 outputs from ``jax.jit``'s.
 

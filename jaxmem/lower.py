@@ -32,8 +32,13 @@ import jax
 from jax import lax
 
 from jaxmem.graph import Graph, Node, bind_eqn
+from jaxmem.memory.model import memory_model
 from jaxmem.plan.analysis import Analysis, local_dims
 from jaxmem.rewrite import needs_rewrite, rewrite_level
+from jaxmem.symbolic import ShapeDomain
+
+#: The domain of a trace at concrete shapes: no symbols.
+AT_ONE_SHAPE = ShapeDomain((), (), ())
 
 COMPILER_OPTIONS: dict[str, dict[str, str]] = {
     "cpu": {"xla_disable_hlo_passes": "cse_barrier_expander"},
@@ -151,7 +156,8 @@ class Executable:
         microbatches: accumulation steps (1: none).
         compiled: the ``jax.stages.Compiled``.
         peak_bytes: XLA's figure (:func:`xla_peak_bytes`).
-        predicted_peak_bytes: jaxmem's prediction at the per-device dims.
+        predicted_peak_bytes: jaxmem's prediction at the per-device dims; for a split
+            batch (``microbatches > 1``, unsharded), the memory model of the split trace.
         order_enforced: whether the scheduler's op order is pinned by barriers.
     """
 
@@ -171,7 +177,7 @@ def lower_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tuple
     A level with nothing to rewrite compiles the user's own function, as
     ``jax.jit`` would; every other goes through :func:`jaxmem.rewrite.rewrite_level`.
     """
-    enforced = False
+    enforced, rewritten = False, None
     if not needs_rewrite(analysis, k, apply_order, microbatches):
         run: Any = analysis.flat_fn
     else:
@@ -186,5 +192,12 @@ def lower_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tuple
     lowered = jax.jit(run, **options.jit_kwargs()).lower(*dynamic)
     compiled = lowered.compile(compiler_options=compiler_options())
     flat_shardings = jax.tree_util.tree_leaves(compiled.input_shardings[0])
-    predicted = analysis.plans.levels[k].peak_fn(local_dims(analysis, dims, flat_shardings))
+    local = local_dims(analysis, dims, flat_shardings)
+    if microbatches > 1 and rewritten is not None and local == dims:
+        # The split is not in the level's symbolic model: the split trace's own model,
+        # at these shapes (it is a whole-batch figure otherwise, k times too high).
+        model = memory_model(rewritten.graph, AT_ONE_SHAPE, donated=analysis.donated)
+        predicted = int(model.peak_bytes)
+    else:
+        predicted = analysis.plans.levels[k].peak_fn(local)
     return Executable(k, microbatches, compiled, xla_peak_bytes(compiled), predicted, enforced)

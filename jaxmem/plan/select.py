@@ -64,7 +64,7 @@ class Attempt:
 
     Attributes:
         level: the level index.
-        predicted_peak_bytes: jaxmem's prediction at the dims.
+        predicted_peak_bytes: jaxmem's prediction at the dims (of the unsplit level).
         peak_bytes: XLA's figure, or None when it was not compiled.
         outcome: ``fits``, ``over budget``, ``predicted to fit``, ``predicted over budget``,
             ``skipped: excluded`` or ``skipped: predicted far above the budget``.
@@ -79,9 +79,10 @@ class Attempt:
 
     def __str__(self) -> str:
         mb = f" x{self.microbatches} microbatches" if self.microbatches > 1 else ""
+        whole = " unsplit" if self.microbatches > 1 else ""
         xla = "" if self.peak_bytes is None else f", XLA {human_bytes(self.peak_bytes)}"
         return (f"level {self.level}{mb} (predicted {human_bytes(self.predicted_peak_bytes)}"
-                f"{xla}: {self.outcome})")
+                f"{whole}{xla}: {self.outcome})")
 
 
 @dataclasses.dataclass(frozen=True)
