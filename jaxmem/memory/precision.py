@@ -119,6 +119,20 @@ def _replaced(graph: Graph, owner: Mapping[int, int], o: int, dots: set[int]) ->
     return all(r is not None and r in dots for r in _readers(graph, owner, o))
 
 
+def _held_narrow(graph: Graph, owner: Mapping[int, int], v: int) -> bool:
+    """Whether dot result ``v`` is kept at its own low precision: a loop or a program
+    output reads it, or an optimization barrier does beside other readers. XLA cannot
+    fuse the convert after the float32 dot into those, so the convert is written and
+    the float32 result dies at once (measured: a segment plan's barrier over a bf16
+    Llama's saved MLP projections holds ``wrapped_convert`` bf16 buffers). A barrier
+    that is the only reader gets the float32 result, the convert sunk past it."""
+    readers = set(_readers(graph, owner, v))
+    barriers = {r for r in readers
+                if r is not None and graph.nodes[r].primitive == "optimization_barrier"}
+    return (any(r is None or graph.nodes[r].kind == "control" for r in readers)
+            or 0 < len(barriers) < len(readers))
+
+
 def buffer_sizes(graph: Graph, owner: Mapping[int, int], backend: str) -> dict[int, sympy.Expr]:
     """Buffers ``backend`` keeps in float32 though the jaxpr types them lower: value id ->
     bytes (results of upcast dots, and operands only upcast dots read)."""
@@ -129,7 +143,8 @@ def buffer_sizes(graph: Graph, owner: Mapping[int, int], backend: str) -> dict[i
     outputs = set(graph.outputs)
     for d in dots:
         w = graph.nodes[d].outputs[0]
-        if graph.values[w].dtype in LOW_PRECISION and w not in outputs:
+        if (graph.values[w].dtype in LOW_PRECISION and w not in outputs
+                and not _held_narrow(graph, owner, w)):
             sizes[w] = _f32_bytes(graph, w)
     chosen = set(dots)
     for o in _low_operands(graph, owner, dots):
@@ -157,4 +172,9 @@ def operand_copies(graph: Graph, order: Sequence[int], owner: Mapping[int, int],
             continue
         at = [pos[d] for d in readers]
         out.append(Extra(o, _f32_bytes(graph, o), min(at), max(at), "float32 operand copy"))
+    for d in dots:  # a result held narrow is float32 until its convert, right after it
+        w = graph.nodes[d].outputs[0]
+        if (graph.values[w].dtype in LOW_PRECISION and w not in widened and d in pos
+                and owner.get(w, w) == w):
+            out.append(Extra(w, _f32_bytes(graph, w), pos[d], pos[d], "float32 dot result"))
     return out
