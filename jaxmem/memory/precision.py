@@ -120,8 +120,9 @@ def _replaced(graph: Graph, owner: Mapping[int, int], o: int, dots: set[int]) ->
 
 
 def _held_narrow(graph: Graph, owner: Mapping[int, int], v: int) -> bool:
-    """Whether dot result ``v`` is kept at its own low precision: a loop or a program
-    output reads it, or an optimization barrier does beside other readers. XLA cannot
+    """Whether dot result ``v`` is kept at its own low precision: it is a program output,
+    a loop or an output view reads it, or an optimization barrier does beside other
+    readers. XLA cannot
     fuse the convert after the float32 dot into those, so the convert is written and
     the float32 result dies at once (measured: a segment plan's barrier over a bf16
     Llama's saved MLP projections holds ``wrapped_convert`` bf16 buffers). A barrier
@@ -129,7 +130,8 @@ def _held_narrow(graph: Graph, owner: Mapping[int, int], v: int) -> bool:
     readers = set(_readers(graph, owner, v))
     barriers = {r for r in readers
                 if r is not None and graph.nodes[r].primitive == "optimization_barrier"}
-    return (any(r is None or graph.nodes[r].kind == "control" for r in readers)
+    return (v in graph.outputs
+            or any(r is None or graph.nodes[r].kind == "control" for r in readers)
             or 0 < len(barriers) < len(readers))
 
 
@@ -140,11 +142,9 @@ def buffer_sizes(graph: Graph, owner: Mapping[int, int], backend: str) -> dict[i
     if not dots:
         return {}
     sizes: dict[int, sympy.Expr] = {}
-    outputs = set(graph.outputs)
     for d in dots:
         w = graph.nodes[d].outputs[0]
-        if (graph.values[w].dtype in LOW_PRECISION and w not in outputs
-                and not _held_narrow(graph, owner, w)):
+        if graph.values[w].dtype in LOW_PRECISION and not _held_narrow(graph, owner, w):
             sizes[w] = _f32_bytes(graph, w)
     chosen = set(dots)
     for o in _low_operands(graph, owner, dots):
@@ -157,9 +157,10 @@ def operand_copies(graph: Graph, order: Sequence[int], owner: Mapping[int, int],
                    backend: str, widened: Mapping[int, sympy.Expr] | None = None
                    ) -> list[Extra]:
     """Float32 copies of low-precision dot operands whose own buffer stays (an argument,
-    a buffer other ops read, a dot's result); one per buffer, from the first upcast dot
-    reading it to the last. ``widened``: ``buffer_sizes(graph, owner, backend)``, when
-    the caller has it."""
+    a buffer other ops read, a dot's result), one per buffer, from the first upcast dot
+    reading it to the last; and the float32 result, at its dot only, of each upcast dot
+    whose result is held narrow (not in ``widened``). ``widened``:
+    ``buffer_sizes(graph, owner, backend)``, when the caller has it."""
     dots = upcast_dots(graph, backend)
     if not dots:
         return []
