@@ -23,7 +23,7 @@ import sympy
 import jaxmem
 from bench.programs import causal_attention, layer_norm, optax_step
 from jaxmem.dims import sym
-from jaxmem.graph import JaxmemWarning, build_graph
+from jaxmem.graph import JaxmemWarning, build_graph, scan_counts
 from jaxmem.graph.build import dim_of
 from jaxmem.lower import as_function, compiler_options
 from jaxmem.memory.liveness import liveness
@@ -324,7 +324,7 @@ def test_a_step_is_predicted_slower_by_the_passes_over_what_its_loops_stack(plan
         scans = [n.eqn for n in level.graph.nodes if n.primitive == "scan"]
         stacked = sum(int(np.prod([int(dim_of(d).subs({sym("b"): B, sym("s"): S}))
                                    for d in v.aval.shape])) * v.aval.dtype.itemsize
-                      for e in scans for v in e.outvars[e.params["num_carry"]:])
+                      for e in scans for v in e.outvars[scan_counts(e.params)[1]:])
         assert stacked > 0
         beyond = max(0, stacked - costs.cache_bytes)
         temp = int(level.memory.temp_bytes.subs({sym("b"): B, sym("s"): S}))

@@ -13,7 +13,8 @@ symbols), so later stages never touch JAX shapes again.
 The package's modules, in reading order: :mod:`~jaxmem.graph.types` (the data
 types), :mod:`~jaxmem.graph.primitives` (which kind each primitive's result is),
 :mod:`~jaxmem.graph.build` (the walk, the rule table, :func:`build_graph`) and
-:mod:`~jaxmem.graph.rules` (the sub-jaxpr rules).
+:mod:`~jaxmem.graph.rules` (the sub-jaxpr rules); :mod:`~jaxmem.graph.scan_params` reads
+and rebuilds a ``scan``'s operand split on every supported JAX.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -31,8 +32,9 @@ from __future__ import annotations
 from jaxmem.graph import rules  # noqa: F401
 from jaxmem.graph.build import Builder, Rule, bind_eqn, build_graph, register_rule
 from jaxmem.graph.primitives import CALLBACK, ELEMENTWISE, EXPENSIVE, INPLACE, OPAQUE, REDUCE, VIEW
+from jaxmem.graph.scan_params import scan_counts, with_scan_counts
 from jaxmem.graph.types import Graph, JaxmemWarning, Node, Value, replaced
 
 __all__ = ["CALLBACK", "ELEMENTWISE", "EXPENSIVE", "INPLACE", "OPAQUE", "REDUCE", "VIEW",
            "Builder", "Graph", "JaxmemWarning", "Node", "Rule", "Value", "bind_eqn", "build_graph",
-           "register_rule", "replaced"]
+           "register_rule", "replaced", "scan_counts", "with_scan_counts"]

@@ -19,7 +19,7 @@ Example:
 
 from __future__ import annotations
 
-from jaxmem.graph import Graph, Node
+from jaxmem.graph import Graph, Node, scan_counts
 
 
 def sunk_broadcasts(graph: Graph) -> frozenset[int]:
@@ -66,8 +66,9 @@ def _loop_state(loop: Node) -> frozenset[int]:
     ``xs``, and a ``while``'s consts, are only read.
     """
     params = loop.eqn.params if loop.eqn is not None else {}
-    if loop.primitive == "scan" and "num_consts" in params:
-        first, stop = params["num_consts"], params["num_consts"] + params["num_carry"]
+    if loop.primitive == "scan" and params:
+        consts, carry = scan_counts(params)
+        first, stop = consts, consts + carry
     elif loop.primitive == "while" and "body_nconsts" in params:
         first, stop = params["cond_nconsts"] + params["body_nconsts"], len(loop.operands)
     else:

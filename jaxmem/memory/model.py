@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import jax
 import sympy
 
-from jaxmem.graph import Graph
+from jaxmem.graph import Graph, scan_counts
 from jaxmem.memory.assign import assignment_peak
 from jaxmem.memory.frontier import candidate_points, max_expr, to_expr
 from jaxmem.memory.fusion import materialised, used_nodes
@@ -326,7 +326,7 @@ def _sliced_xs(body: Graph, params: dict) -> sympy.Expr:
     reads its operands from memory, such as a dot (gpt-scan 3x64 at (2, 64):
     -9 % against XLA without these copies, -2 % with them).
     """
-    first = params["num_consts"] + params["num_carry"]
+    first = sum(scan_counts(params))
     consumers = body.consumers
     total = sympy.Integer(0)
     for v in body.inputs[first:]:

@@ -22,7 +22,7 @@ from typing import Any
 import sympy
 
 from jaxmem.fastexpr import compile_expr, expanded_sum
-from jaxmem.graph import Graph
+from jaxmem.graph import Graph, scan_counts
 from jaxmem.memory import MemoryModel
 from jaxmem.plan.loops import LoopPlan
 from jaxmem.plan.offload import Costs
@@ -79,7 +79,7 @@ class Level:
         function of the dims: loop plans trade them for re-run FLOPs."""
         return _numeric(expanded_sum(self.graph.values[v].nbytes for n in self.graph.nodes
                                      if n.primitive == "scan" and n.eqn is not None
-                                     for v in n.outputs[n.eqn.params["num_carry"]:]))
+                                     for v in n.outputs[scan_counts(n.eqn.params)[1]:]))
 
     def step_s(self, dims: Mapping[str, int], costs: Costs) -> float:
         """Predicted seconds of one step at ``dims``: its FLOPs (recomputation included)

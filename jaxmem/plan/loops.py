@@ -39,7 +39,7 @@ from typing import Any
 
 import sympy
 
-from jaxmem.graph import Builder, Graph, JaxmemWarning, Node
+from jaxmem.graph import Builder, Graph, JaxmemWarning, Node, scan_counts
 from jaxmem.graph.build import dim_of
 from jaxmem.plan.offload import Costs
 from jaxmem.plan.remat import apply_remat
@@ -102,7 +102,7 @@ def loop_candidates(graph: Graph, pairs: Sequence[ScanPair], corner: Mapping[Any
     (``nothing_saveable``).
     """
     def size(p: ScanPair, j: int) -> float:
-        v = graph.nodes[p.forward].outputs[graph.nodes[p.forward].eqn.params["num_carry"] + j]
+        v = graph.nodes[p.forward].outputs[scan_counts(graph.nodes[p.forward].eqn.params)[1] + j]
         return float(graph.values[v].nbytes.subs(corner))
 
     sizes = sorted({size(p, j) for p in pairs for j in p.droppable}, reverse=True)
@@ -173,7 +173,7 @@ def _made_by(graph: Graph, pair: ScanPair, primitive: str,
     if ordinals is not None:
         at = tuple(at[k] for k in ordinals if k < len(at))
     outs = {v for i in at for v in body.eqns[i].outvars}
-    ncar = eqn.params["num_carry"]
+    _, ncar = scan_counts(eqn.params)
     return at, frozenset(j for j in pair.droppable if body.outvars[ncar + j] in outs)
 
 

@@ -31,7 +31,7 @@ import jax
 import sympy
 from jax.extend import core as jcore
 
-from jaxmem.graph import Builder, Graph, Node, bind_eqn, build_graph
+from jaxmem.graph import Builder, Graph, Node, bind_eqn, build_graph, scan_counts, with_scan_counts
 from jaxmem.graph.build import dim_of
 from jaxmem.plan.residuals import is_forward
 
@@ -72,7 +72,7 @@ def find_scan_pairs(graph: Graph) -> tuple[ScanPair, ...]:
 def _pair(graph: Graph, f: Node, consumers: dict[int, tuple[int, ...]]) -> ScanPair | None:
     """The pair ``f`` starts, if a backward scan of the same length reads its ``ys``."""
     fp = f.eqn.params
-    ncar = fp["num_carry"]
+    _, ncar = scan_counts(fp)
     ys = f.outputs[ncar:]
     readers = {c for v in ys for c in consumers.get(v, ())}
     backs = [graph.nodes[c] for c in sorted(readers)
@@ -82,7 +82,7 @@ def _pair(graph: Graph, f: Node, consumers: dict[int, tuple[int, ...]]) -> ScanP
     if not backs:
         return None
     b = backs[0]
-    first_xs = b.eqn.params["num_consts"] + b.eqn.params["num_carry"]
+    first_xs = sum(scan_counts(b.eqn.params))
     reads = tuple((j, k) for j, v in enumerate(ys) for k, o in enumerate(b.operands)
                   if o == v and k >= first_xs)
     body = f.eqn.params["jaxpr"].jaxpr
@@ -124,7 +124,7 @@ def _slice(f: Node, pair: ScanPair, drop: Sequence[int], save: Collection[int]) 
     positions ``save``."""
     fp = f.eqn.params
     body = fp["jaxpr"].jaxpr
-    nc, ncar = fp["num_consts"], fp["num_carry"]
+    nc, ncar = scan_counts(fp)
     held = {body.outvars[ncar + j]: k for j, k in pair.reads if j not in drop
             and not isinstance(body.outvars[ncar + j], jcore.Literal)}
     saved = [body.eqns[i].outvars[0] for i in sorted(save)
@@ -158,7 +158,7 @@ def rewrite_pair(graph: Graph, pair: ScanPair, drop: Sequence[int], save: Collec
     f, b = graph.nodes[pair.forward], graph.nodes[pair.backward]
     sl = _slice(f, pair, drop, save)
     fp = f.eqn.params
-    nc, ncar = fp["num_consts"], fp["num_carry"]
+    nc, ncar = scan_counts(fp)
     ys_keep = [j for j in range(len(f.outputs) - ncar) if j not in drop]
     stacked_avals = [v.aval.update(shape=(fp["length"], *v.aval.shape)) for v in sl.stacked]
     new_vars = [jcore.Var(a) for a in stacked_avals]
@@ -166,12 +166,15 @@ def rewrite_pair(graph: Graph, pair: ScanPair, drop: Sequence[int], save: Collec
     fwd_body = _forward_body(fp["jaxpr"], ncar, ys_keep, sl.stacked)
     f_eqn = f.eqn.replace(outvars=[*f.eqn.outvars[:ncar],
                                    *[f.eqn.outvars[ncar + j] for j in ys_keep], *new_vars],
-                          params=dict(fp, jaxpr=fwd_body))
+                          params=with_scan_counts(
+                              dict(fp, jaxpr=fwd_body), num_consts=nc, num_carry=ncar,
+                              num_xs=len(f.operands) - nc - ncar,
+                              num_ys=len(ys_keep) + len(new_vars)))
     f_node = _control_node(f, f_eqn, list(f.operands),
                            [*f.outputs[:ncar], *[f.outputs[ncar + j] for j in ys_keep],
                             *new_vals])
     bp = b.eqn.params
-    bnc, bncar = bp["num_consts"], bp["num_carry"]
+    bnc, bncar = scan_counts(bp)
     gone = {k for j, k in pair.reads if j in drop}
     b_xs = [k for k in range(bnc + bncar, len(b.operands)) if k not in gone]
     f_consts = list(sl.consts)
@@ -182,8 +185,10 @@ def rewrite_pair(graph: Graph, pair: ScanPair, drop: Sequence[int], save: Collec
     operands = ([*b.operands[:bnc], *[f.operands[i] for i in f_consts],
                  *b.operands[bnc:bnc + bncar], *[b.operands[k] for k in b_xs],
                  *[f.operands[i] for i in f_xs], *new_vals])
-    params = dict(bp, jaxpr=_backward_body(f, b, sl, pair, drop, b_xs),
-                  num_consts=bnc + len(f_consts))
+    params = with_scan_counts(dict(bp, jaxpr=_backward_body(f, b, sl, pair, drop, b_xs)),
+                              num_consts=bnc + len(f_consts), num_carry=bncar,
+                              num_xs=len(atoms) - bnc - len(f_consts) - bncar,
+                              num_ys=len(b.outputs) - bncar)
     if "linear" in bp:  # older JAX marks each operand linear or not
         lin = bp["linear"]
         params["linear"] = (*lin[:bnc], *[False] * len(f_consts), *lin[bnc:bnc + bncar],
@@ -238,8 +243,8 @@ def _backward_body(f: Node, b: Node, sl: _Slice, pair: ScanPair, drop: Sequence[
     """
     fp, bp = f.eqn.params, b.eqn.params
     fbody = fp["jaxpr"].jaxpr
-    nc, ncar = fp["num_consts"], fp["num_carry"]
-    bnc, bncar = bp["num_consts"], bp["num_carry"]
+    nc, ncar = scan_counts(fp)
+    bnc, bncar = scan_counts(bp)
     bbody = bp["jaxpr"].jaxpr
     run = jcore.jaxpr_as_fun(bp["jaxpr"])
     sections = [bnc, len(sl.consts), bncar, len(b_xs), len(sl.xs), len(sl.stacked)]
