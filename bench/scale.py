@@ -83,7 +83,7 @@ def time_case(program: Program, shape: dict[str, int]) -> dict[str, Any]:
         ['analyze_s', 'compile_s', 'lower_s', 'plans_s']
     """
     from jaxmem.plan.analysis import PlanInputs, derive_plans
-    from jaxmem.plan.offload import costs_for, offload_supported
+    from jaxmem.plan.offload import costs_for, offload_by_default
 
     clock: list[tuple[float, float]] = []
 
@@ -99,7 +99,7 @@ def time_case(program: Program, shape: dict[str, int]) -> dict[str, Any]:
         donated = tuple(range(len(jax.tree_util.tree_leaves(program.state))))
         plans, _ = derive_plans(PlanInputs(
             report.traced, report.graph, report.domain, donated, True,
-            offload_supported(backend), costs_for(backend), jaxmem.schedulers.MemoryAware()))
+            offload_by_default(backend), costs_for(backend), jaxmem.schedulers.MemoryAware()))
         tick()
     lowered = jax.jit(program.step, donate_argnums=(0,)).lower(*program.concrete_args(shape))
     tick()

@@ -182,8 +182,9 @@ def test_offload_bench_writes_its_figures(tmp_path: Path) -> None:
     assert offload.main(["--quick", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["rows"][0]["offload"] == [] and any(r["offload"] for r in res["rows"])
-    for row in res["rows"]:
-        assert row["peak_bytes"] > 0 and row["max_abs_diff"] < 1e-4
+    assert [r["policy"] for r in res["references"]] == list(offload.REFERENCE_POLICIES)
+    for row in res["rows"] + res["references"]:
+        assert row["peak_bytes"] > 0 and row["max_abs_diff"] < 1e-4 and row["step_ratio"] > 0
 
 
 def test_microbatch_bench_writes_its_figures(tmp_path: Path) -> None:

@@ -375,8 +375,8 @@ def jit(fun: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
         donate_argnums, static_argnums, in_shardings, out_shardings: as for ``jax.jit``.
         symbolic: False runs the fallback-only ablation.
         offload: plan moving residuals to host memory (``pinned_host``) as well as
-            recomputing them. None (default) does so where the backend keeps host
-            arrays out of device memory (GPU, TPU), not on CPU.
+            recomputing them. None (default): not on any backend for now (on an H200
+            no offload level lowered XLA's peak; :mod:`jaxmem.plan.offload`).
         offload_costs: the device rates (:class:`jaxmem.plan.offload.Costs`: FLOP/s and
             host-link bytes/s) that weigh recomputation against offload; None uses the
             default backend's figures (:func:`jaxmem.plan.offload.costs_for`).

@@ -90,8 +90,8 @@ class Plan:
                          "its first backward use)")
         if not self.offload:
             lines.append("  offload   nothing" + ("" if self.offload_planned else
-                                                  " (host offload is not planned on this "
-                                                  "backend)"))
+                                                  " (host offload is not planned: "
+                                                  "jaxmem.jit(..., offload=True) asks for it)"))
         if self.microbatches > 1:
             lines.append(f"  microbatch the batch into {self.microbatches} accumulation steps "
                          "(no recomputation level fits the budget)")

@@ -28,7 +28,7 @@ from jaxmem.graph import Graph, build_graph
 from jaxmem.perf import gc_paused
 from jaxmem.plan.bodies import add_body_levels
 from jaxmem.plan.levels import PlanSet, plan_levels
-from jaxmem.plan.offload import Costs, costs_for, offload_supported
+from jaxmem.plan.offload import Costs, costs_for, offload_by_default
 from jaxmem.schedulers import ScheduleGraph, Scheduler, validate_order
 from jaxmem.symbolic import ShapeDomain
 from jaxmem.trace import Traced, trace
@@ -161,7 +161,7 @@ def analyze_specs(fun: Callable[..., Any], static: tuple[Any, ...], dynamic: tup
     donate_dynamic = tuple(dyn_positions.index(i) for i in donate_argnums if i in dyn_positions)
     donated = _flat_indices(dynamic, donate_dynamic)
     backend = jax.default_backend()
-    offload = offload_supported(backend) if offload is None else offload
+    offload = offload_by_default(backend) if offload is None else offload
     plans, orders = planner(PlanInputs(traced, graph, domain, donated, symbolic, offload,
                                        costs or costs_for(backend), scheduler))
     paths = tuple(f"args{jax.tree_util.keystr(p)}" for p, _ in leaves_with_path)

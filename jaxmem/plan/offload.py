@@ -6,15 +6,17 @@ the ``pinned_host`` memory kind); just before its first backward use it comes
 back. Between the two it takes no device memory, like a recomputed residual,
 but instead of FLOPs it costs two transfers over the host link.
 
-Offload is planned where the backend keeps host arrays out of device memory
-(GPU, TPU). On CPU the host *is* the device: XLA compiles a ``pinned_host``
-array to the same bytes as a device one (docs/design.md §4), so jaxmem does not plan it
-there unless asked (``jaxmem.jit(..., offload=True)``, which tests use to check
-the rewrite).
+Offload can lower device memory only where the backend keeps host arrays out of it
+(GPU, TPU); on CPU the host *is* the device: XLA compiles a ``pinned_host`` array to
+the same bytes as a device one (docs/design.md §4). It is planned only when asked
+(``jaxmem.jit(..., offload=True)``) on every backend: on an H200 with JAX 0.11.2 no
+offload level lowered XLA's peak, jaxmem's or JAX's own
+``save_and_offload_only_these_names`` (``python -m bench.offload --slow-flops``,
+bench/results/gpu), so :func:`offload_by_default` is false until a backend shows a gain.
 
 Example:
-    >>> offload_supported("gpu"), offload_supported("cpu")
-    (True, False)
+    >>> offload_supported("gpu"), offload_supported("cpu"), offload_by_default("gpu")
+    (True, False, False)
     >>> costs_for("gpu").transfer_s(2 * 10**9) < costs_for("gpu").recompute_s(10**12)
     False
 """
@@ -31,8 +33,20 @@ import jax.numpy as jnp
 
 
 def offload_supported(backend: str) -> bool:
-    """Whether host offload lowers device memory on ``backend`` (a JAX platform name)."""
+    """Whether ``backend`` (a JAX platform name) keeps host arrays out of device memory."""
     return backend in ("gpu", "cuda", "rocm", "tpu")
+
+
+def offload_by_default(backend: str) -> bool:
+    """Whether ``jaxmem.jit(offload=None)`` plans offload on ``backend``: on none yet.
+
+    Measured on an H200 (JAX 0.11.2, bench/results/gpu): offloading one, two or all
+    three residual groups of a 4-layer step took XLA's peak from 344 MiB (save all) to
+    600 / 504 / 408 MiB at 1.8-6.7x its time, and JAX's own offload policy on the same
+    values to 504 MiB; recomputing them: 248 MiB. TPU is not measured.
+    """
+    del backend
+    return False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -240,8 +240,8 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual],
         back = backward[node.index]
         rw.copy_node(node, back)
         rw.track_live(node, back)
-        for v in offloaded_after.get(node.index, ()):
-            rw.host[v] = rw.transfer(v, v, True, node.scope + "/offload")
+        if node.index in offloaded_after:
+            rw.offload(node, offloaded_after[node.index])
         if node.outputs:
             rw.last_out = node.outputs[0]
     return Graph(tuple(rw.values), tuple(rw.nodes), graph.inputs, graph.outputs, graph.consts)
@@ -262,6 +262,7 @@ class _Rewrite:
         self.nodes: list[Node] = []
         self.rename: dict[int, int] = {}  # residual value -> its clone or reloaded copy, once made
         self.host: dict[int, int] = {}  # offloaded value -> its copy in host memory
+        self.sent: dict[int, int] = {}  # offloaded value -> what later forward nodes read
         self.last_out: int | None = None  # latest value made before the current node
         memo = chain_memo(graph)
         self.last_read = memo.last_read(graph)  # value -> the last node reading it
@@ -309,16 +310,27 @@ class _Rewrite:
                                eqn=transfer_eqn(to_host), operands=(src,)))
         return out
 
+    def offload(self, node: Node, values: Sequence[int]) -> None:
+        """Moves ``values`` to host right after ``node`` makes them, past a barrier the rest
+        of the forward pass reads them from (XLA GPU delayed unpinned copies to the reload)."""
+        hosts = [self.transfer(v, v, True, node.scope + "/offload") for v in values]
+        barrier_in = (*hosts, *values)
+        barrier_out = tuple(self.new_value(v) for v in barrier_in)
+        self.nodes.append(Node(len(self.nodes), "optimization_barrier", "view", barrier_in,
+                               barrier_out, node.scope + "/offload", operands=barrier_in))
+        self.host.update(zip(values, barrier_out, strict=False))
+        self.sent.update(zip(values, barrier_out[len(values):], strict=True))
+
     def copy_node(self, node: Node, backward: bool) -> None:
         """Emits an original node (``backward``: of the backward pass, reading the clones
         made so far)."""
-        if not backward:
+        rename = self.rename if backward else self.sent
+        if not backward and not (rename and any(v in rename for v in node.inputs)):
             # What emit does with it, without building and comparing its tuples: the node
             # itself before any block, else the node at its new position.
             index = len(self.nodes)
             self.nodes.append(node if index == node.index else replaced(node, index=index))
             return
-        rename = self.rename
         ins = [rename.get(v, v) for v in node.inputs]
         ops = [None if o is None else rename.get(o, o) for o in node.operands]
         self.emit(node, ins, ops, node.outputs)
