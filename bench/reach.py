@@ -262,12 +262,14 @@ def main(argv: Sequence[str] | None = None) -> int:
              # (8, 765): the shape issue #12 measured the Llama at.
              "llama": lambda: llama_case(*((2, 64) if a.quick else (8, 765)))}
     log = TextTable()
-    rows = [measure(cases[name](), a.repeats, log) for name in a.programs.split(",")]
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"rows": rows, "backend": jax.default_backend(), "quick": a.quick}, f,
-                      indent=1)
-    log.save(a, "reach.txt")
+    rows: list[dict[str, Any]] = []
+    for name in a.programs.split(","):
+        rows.append(measure(cases[name](), a.repeats, log))
+        if a.out:  # after every program, so a run stopped part-way keeps what it measured
+            with open(a.out, "w") as f:
+                json.dump({"rows": rows, "backend": jax.default_backend(), "quick": a.quick,
+                           "jax": jax.__version__}, f, indent=1)
+        log.save(a, "reach.txt")
     return 0
 
 
