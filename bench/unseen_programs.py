@@ -14,7 +14,9 @@ and the constraints of the shape domain.
   and cross-attention, tied embeddings) with two sequence dims, under
   ``nnx.Optimizer(adamw)``;
 * ``moe``: a plain-JAX decoder whose MLPs are top-2 mixtures of 4 experts (softmax
-  router, ``lax.top_k``, one-hot dispatch by ``einsum``), under ``optax.lion``.
+  router, ``lax.top_k``, one-hot dispatch by ``einsum``), under ``optax.lion``;
+* ``remat-scan``: a Flax linen decoder as MaxText writes it, ``nn.scan`` over
+  ``nn.remat`` blocks (the user's own checkpoint), under ``optax.adamw``.
 
 Example:
     >>> case = CASES["cnn"](True)
@@ -223,6 +225,47 @@ def moe_case(quick: bool) -> Case:
                 (None, "b, s"), (f"b <= {b}", f"s <= {s}"))
 
 
+class _ScannedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+        x = x + nn.SelfAttention(num_heads=4, deterministic=True)(nn.LayerNorm()(x), mask=mask)
+        return x + nn.Dense(D)(nn.gelu(nn.Dense(4 * D)(nn.LayerNorm()(x)))), None
+
+
+class _RematScanDecoder(nn.Module):
+    layers: int
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        embed = nn.Embed(VOCAB, D)
+        stack = nn.scan(nn.remat(_ScannedBlock), variable_axes={"params": 0},
+                        split_rngs={"params": True}, length=self.layers)
+        x, _ = stack(name="blocks")(embed(tokens), None)
+        return embed.attend(nn.LayerNorm()(x))
+
+
+def remat_scan_case(quick: bool) -> Case:
+    """A linen decoder as MaxText writes it: ``nn.scan`` over ``nn.remat`` blocks (the
+    user's own checkpoint, saving nothing inside a layer), under ``optax.adamw``."""
+    layers, (b, s) = (2, (4, 32)) if quick else (3, (8, 64))
+    model = _RematScanDecoder(layers)
+    params = model.init(jax.random.key(0), _tokens((b, s)))
+    opt = optax.adamw(1e-3)
+
+    def loss(p: Any, tokens: jax.Array) -> jax.Array:
+        return _lm_loss_logits(model.apply(p, tokens), tokens)
+
+    return Case(optax_step(loss, opt), (params, opt.init(params)), (_tokens((b, s)),),
+                (None, "b, s"), (f"b <= {b}", f"s <= {s}"))
+
+
+def _lm_loss_logits(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, jnp.roll(tokens, -1, 1)).mean()
+
+
 #: name -> builder of the program's case (``quick``: CI-sized)
 CASES: dict[str, Callable[[bool], Case]] = {
-    "accum": accum_case, "cnn": cnn_case, "encdec": encdec_case, "moe": moe_case}
+    "accum": accum_case, "cnn": cnn_case, "encdec": encdec_case, "moe": moe_case,
+    "remat-scan": remat_scan_case}

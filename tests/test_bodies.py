@@ -185,3 +185,38 @@ def test_loop_plans_inside_the_body():
         for x, y in zip(jax.tree.leaves(lv.compiled(*args)), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
         assert lv.peak_bytes < base, (k, lv.peak_bytes, base)
+
+
+def _checkpointed_scan(policy: object) -> tuple[jaxmem.Jitted, tuple[object, ...]]:
+    """A 2-layer scanned GPT whose body runs under ``jax.checkpoint(policy=policy)``
+    (None: no checkpoint) under ``jaxmem.jit``, and its arguments at (4, 64)."""
+    from bench.programs import concrete, gpt_scan_program
+
+    p = gpt_scan_program(2, 32, 2, VOCAB, 4, 64, remat_policy=policy)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (4, 64)), jnp.int32)
+    f = jaxmem.jit(p.step, polymorphic_shapes=(None, "b, s"), constraints=p.constraints)
+    return f, (concrete(p.state, 0), tokens)
+
+
+def test_levels_plan_inside_a_checkpointed_scans_backward_loop():
+    """The user's ``jax.checkpoint`` on a scanned layer: the backward loop re-runs the layer
+    and hands its values to the layer's backward pass, so they are that body's residuals.
+    The deepest level recomputes them later still: below the user's own peak (XLA's
+    figures), computing ``jax.jit``'s step."""
+    f, args = _checkpointed_scan(jax.checkpoint_policies.nothing_saveable)
+    graph = f.analysis(*args).graph
+    (scan,) = body_scans(graph)
+    assert graph.nodes[scan].is_backward
+    levels = f.plans(*args).levels
+    assert any(isinstance(lv, BodyLevel) for lv in levels)
+    deepest = f.compile_level(len(levels) - 1, *args)
+    assert deepest.peak_bytes < f.compile_level(0, *args).peak_bytes
+    f.use_plan(deepest, *args)
+    for x, y in zip(jax.tree.leaves(f(*args)), jax.tree.leaves(jax.jit(f.fun)(*args)),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+def test_a_backward_loop_without_a_checkpoint_is_no_body_of_its_own():
+    f, args = _checkpointed_scan(None)
+    assert body_scans(f.analysis(*args).graph) == ()

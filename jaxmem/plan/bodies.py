@@ -42,7 +42,7 @@ from typing import Any
 import jax
 import sympy
 
-from jaxmem.graph import Graph, JaxmemWarning, Node, bind_eqn, build_graph
+from jaxmem.graph import Graph, JaxmemWarning, Node, bind_eqn, build_graph, replaced
 from jaxmem.graph.build import dim_of
 from jaxmem.memory import memory_model
 from jaxmem.plan.level import Level
@@ -112,10 +112,36 @@ class BodyLevel(Level):
 
 def body_scans(graph: Graph) -> tuple[int, ...]:
     """Node indices of the scans whose bodies hold residuals of their own (a forward and
-    backward pass in one body), outside any differentiated pass of ``graph``."""
+    backward pass in one body), outside any differentiated forward pass of ``graph``: an
+    accumulation scan's, or a checkpointed scan's backward loop (:func:`planned_body`)."""
     return tuple(n.index for n in graph.nodes
-                 if n.primitive == "scan" and n.eqn is not None and not n.is_backward
-                 and not is_forward(n.scope) and find_residuals(n.subgraphs[0]))
+                 if n.primitive == "scan" and n.eqn is not None and not is_forward(n.scope)
+                 and find_residuals(planned_body(n)))
+
+
+#: The name ``jax.checkpoint`` (``nn.remat``, ``nnx.remat``) gives the forward operations
+#: it re-runs inside the backward pass.
+RERUN_SCOPE = "rematted_computation"
+
+
+def planned_body(node: Node) -> Graph:
+    """The body of scan ``node`` as a step of its own.
+
+    In the backward loop of a scan whose body the user checkpointed, every operation is
+    of the backward pass, the checkpoint's re-run of the layer included. Marking that
+    re-run as the body's forward pass (scopes are how residuals and the rewrite tell the
+    passes apart) makes the values it hands to the layer's backward pass residuals, which
+    the body's own levels can recompute later still: planning on top of the user's
+    checkpoint.
+    """
+    body = node.subgraphs[0]
+    if not node.is_backward:
+        return body
+    if not any(RERUN_SCOPE in n.scope for n in body.nodes):
+        return body
+    return dataclasses.replace(body, nodes=tuple(
+        replaced(n, scope=f"jvp({n.scope})" if RERUN_SCOPE in n.scope
+                 else f"transpose(jvp({n.scope}))") for n in body.nodes))
 
 
 def rewrite_body(body: Graph, rule: BodyRule) -> Graph:
@@ -152,7 +178,7 @@ def apply_body_plan(graph: Graph, plan: BodyPlan) -> Graph:
     for index, rule in zip(scans, plan.rules, strict=True):
         if rule is not None:
             node = graph.nodes[index]
-            nodes[index] = _with_body(node, rewrite_body(node.subgraphs[0], rule))
+            nodes[index] = _with_body(node, rewrite_body(planned_body(node), rule))
     return dataclasses.replace(graph, nodes=tuple(nodes))
 
 
@@ -167,7 +193,7 @@ def apply_in_chunks(graph: Graph, level: Level, batch: Sequence[int]) -> Graph:
     """
     rules = []
     for index in body_scans(graph):
-        rule = _rule(level, graph.nodes[index].subgraphs[0])
+        rule = _rule(level, planned_body(graph.nodes[index]))
         if rule is not None:
             scope = clean_scope(graph.nodes[index].scope)
             segments = rule.segments and dataclasses.replace(
@@ -250,7 +276,7 @@ def body_levels(graph: Graph, dom: ShapeDomain, *, symbolic: bool = True,
     flops = sympy.Add(*[n.flops for n in graph.nodes])
     out = []
     for k, index in enumerate(scans):
-        body = graph.nodes[index].subgraphs[0]
+        body = planned_body(graph.nodes[index])
         for level in plan_levels(body, dom, symbolic=symbolic, costs=costs).levels[1:]:
             rule = _rule(level, body)
             if rule is None:
