@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # jaxmem's checks on one NVIDIA H200 (Python 3.12, jax 0.11.2 CUDA preinstalled, no package
-# registry), sized for the 15 minutes of device time a session is lent: under 8 minutes.
+# registry), sized for the 15 minutes of device time a session is lent: under 10 minutes.
 #
 #   bash bench/gpu.sh [RESULTS_DIR]      # default bench/results/gpu
 #
 # Each stage has its own time limit and writes its JSON and table as it ends, so a stage
-# that fails or overruns leaves the others' figures. Stages, most needed first:
+# that fails or overruns leaves the others' figures. Stages, most needed first (0: the
+# tests that touch JAX internals, on the device's JAX version):
 #   1. bench.offload   offload levels by XLA's own figures (CPU cannot measure offload);
 #                      again with recomputation priced 1000x dearer (--slow-flops), since
 #                      at the H200's rates the planner re-runs these matmuls instead
@@ -37,6 +38,10 @@ print("jax", jax.__version__, "backend", jax.default_backend(), jax.devices())
 print("memory kinds:", [m.kind for m in jax.devices()[0].addressable_memories()])
 EOF
 
+# The tests that reach JAX's internals (scan params, loop and body rewrites, offload), on
+# the device's JAX: session 20 found 0.11 breaks there that the CPU's 0.10 cannot show.
+stage tests 150 python -m pytest -q -x -m "not slow" -p no:cacheprovider \
+    tests/test_scan_params.py tests/test_loops.py tests/test_bodies.py tests/test_offload.py
 stage offload 60 python -m bench.offload --out "$R/gpu_offload.json" --results-dir "$R"
 stage offload-slow-flops 60 python -m bench.offload --slow-flops \
     --out "$R/gpu_offload_slow_flops.json" --results-dir "$R"

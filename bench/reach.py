@@ -5,7 +5,8 @@ same step with per-layer ``jax.checkpoint(nothing_saveable)`` and ``dots_saveabl
 (the one line a user would write), jaxmem's lowest level, and ``jaxmem.jit`` under
 two budgets: 1.1x the per-layer checkpoint's peak (it must fit, at no more than
 1.05x that policy's time) and halfway between that and plain's peak (it should run
-faster than the checkpoint). Times are medians of paired, alternating runs in one
+faster than the checkpoint); and ``jaxmem.jit`` on the checkpointed step itself (what
+it plans on top of the hand policy). Times are medians of paired, alternating runs in one
 process, as ratios to the per-layer checkpoint.
 
     python -m bench.reach [--quick] [--shape B,S] [--repeats N] --out bench/results/reach.json
@@ -198,6 +199,17 @@ def measure(case: dict[str, Any], repeats: int, log: Callable[[str], None]) -> d
         "plain_time_vs_checkpoint": time_paired(lambda: plain(*args), lambda: ns(*args),
                                                 repeats)[2],
     }
+    # jaxmem.jit on the user's checkpointed step itself: what it plans on top of the hand
+    # policy (inside a scan's backward loop, jaxmem.plan.bodies).
+    on_ns = jaxmem.jit(case["hand"]["nothing_saveable"], polymorphic_shapes=case["poly"],
+                       constraints=case["constraints"])
+    on_top = min((on_ns.compile_level(k, *args)
+                  for k in range(len(on_ns.plans(*args).levels))), key=lambda p: p.peak_bytes)
+    row["on_checkpoint"] = {
+        "levels": len(on_ns.plans(*args).levels), "lowest_level": on_top.level,
+        "peak_bytes": on_top.peak_bytes, "vs_checkpoint": on_top.peak_bytes / ns_peak,
+        "time_vs_checkpoint": time_paired(lambda: on_top.run(*args), lambda: ns(*args),
+                                          repeats)[2]}
     budgets = {"1.1x checkpoint": int(1.1 * ns_peak),
                "halfway": (ns_peak + row["plain_peak_bytes"]) // 2}
     row["budgets"] = {}
@@ -231,6 +243,10 @@ def _format(row: dict[str, Any]) -> str:
              f"  jaxmem lowest level {row['lowest_level']}: {hb(row['lowest_peak_bytes'])} "
              f"({row['lowest_vs_checkpoint']:.3f} x nothing_saveable; predicted "
              f"{hb(row['lowest_predicted_bytes'])})"]
+    top = row["on_checkpoint"]
+    lines.append(f"  jaxmem on the checkpointed step: {top['levels']} levels, lowest "
+                 f"{hb(top['peak_bytes'])} ({top['vs_checkpoint']:.3f} x, time "
+                 f"{top['time_vs_checkpoint']:.2f} x checkpoint)")
     for label, r in row["budgets"].items():
         if not r["fits"] or "level" not in r:
             lines.append(f"  budget {label} {hb(r['budget_bytes'])}: does NOT fit")

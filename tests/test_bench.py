@@ -209,6 +209,9 @@ def test_reach_bench_writes_its_figures(tmp_path: Path) -> None:
     assert row["lowest_peak_bytes"] <= row["plain_peak_bytes"]
     assert set(row["checkpoint_peak_bytes"]) == {"nothing_saveable", "dots_saveable"}
     assert row["budgets"]["1.1x checkpoint"]["budget_bytes"] > 0
+    # Level 0 of jaxmem on the checkpointed step is that step: never above its peak.
+    top = row["on_checkpoint"]
+    assert top["levels"] >= 1 and 0 < top["vs_checkpoint"] <= 1.01
     assert (tmp_path / "reach.txt").read_text().startswith(row["program"])
 
 
