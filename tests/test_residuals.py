@@ -131,3 +131,26 @@ def test_one_walk_gives_each_values_own_recompute_chain(drop):
     walked = recompute_chains_from(graph, values, leaves)
     assert walked == {v: recompute_chain(graph, v, leaves) for v in values}
     assert any(c for c in walked.values()) and (drop == 0 or None in walked.values())
+
+
+def test_a_users_checkpoint_rerun_is_planned_on_top_of():
+    """Per-layer ``jax.checkpoint(nothing_saveable)`` in a Python loop: the checkpoint's
+    re-run in the backward pass hands its values to the layer's backward pass. They are
+    residuals too, so levels recompute them later still: below the user's own peak by
+    XLA's figures, computing ``jax.jit``'s step."""
+    from bench.programs import concrete
+
+    p = gpt_program(2, 32, 2, 64, 4, 64, remat_policy=jax.checkpoint_policies.nothing_saveable)
+    args = (concrete(p.state, 0),
+            jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 64)), jnp.int32))
+    f = jaxmem.jit(p.step, polymorphic_shapes=(None, "b, s"), constraints=p.constraints)
+    graph = f.analysis(*args).graph
+    rerun = [r for r in find_residuals(graph) if "rematted_computation" in r.group]
+    assert rerun and all(not graph.nodes[r.producer].is_backward for r in rerun)
+    levels = f.plans(*args).levels
+    deepest = f.compile_level(len(levels) - 1, *args)
+    assert deepest.peak_bytes < f.compile_level(0, *args).peak_bytes
+    f.use_plan(deepest, *args)
+    for x, y in zip(jax.tree.leaves(f(*args)), jax.tree.leaves(jax.jit(p.step)(*args)),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)

@@ -73,8 +73,21 @@ class Node:
 
     @property
     def is_backward(self) -> bool:
-        """True for operations JAX made by transposing (the backward pass)."""
-        return "transpose(" in self.scope
+        """True for operations JAX made by transposing (the backward pass), but for a
+        ``jax.checkpoint``'s re-run of its forward operations there (:func:`is_rerun`),
+        whose values the planner may recompute later still."""
+        return "transpose(" in self.scope and RERUN_SCOPE not in self.scope
+
+
+#: The name ``jax.checkpoint`` (``nn.remat``, ``nnx.remat``) gives the forward operations
+#: it re-runs inside the backward pass.
+RERUN_SCOPE = "rematted_computation"
+
+
+def is_rerun(scope: str) -> bool:
+    """True for a ``jax.checkpoint``'s re-run of forward operations in the backward pass:
+    a forward pass the user placed there, which segment cuts and loop pairs leave alone."""
+    return "transpose(" in scope and RERUN_SCOPE in scope
 
 
 ValueOrNode = TypeVar("ValueOrNode", "Value", "Node")

@@ -44,6 +44,7 @@ import sympy
 
 from jaxmem.graph import Graph, JaxmemWarning, Node, bind_eqn, build_graph, replaced
 from jaxmem.graph.build import dim_of
+from jaxmem.graph.types import RERUN_SCOPE
 from jaxmem.memory import memory_model
 from jaxmem.plan.level import Level
 from jaxmem.plan.levels import PlanSet, plan_levels
@@ -117,11 +118,6 @@ def body_scans(graph: Graph) -> tuple[int, ...]:
     return tuple(n.index for n in graph.nodes
                  if n.primitive == "scan" and n.eqn is not None and not is_forward(n.scope)
                  and find_residuals(planned_body(n)))
-
-
-#: The name ``jax.checkpoint`` (``nn.remat``, ``nnx.remat``) gives the forward operations
-#: it re-runs inside the backward pass.
-RERUN_SCOPE = "rematted_computation"
 
 
 def planned_body(node: Node) -> Graph:

@@ -30,6 +30,7 @@ import numpy as np
 import sympy
 
 from jaxmem.graph import Graph
+from jaxmem.graph.types import is_rerun
 from jaxmem.memory import materialised
 
 _WRAPPERS = re.compile(r"\b(?:jvp|transpose|vmap|remat|checkpoint|pjit|jit)\(")
@@ -37,8 +38,9 @@ _LAYER = re.compile(r"\d+")
 
 
 def is_forward(scope: str) -> bool:
-    """True for operations JAX made while tracing the primal (the forward pass)."""
-    return "jvp(" in scope and "transpose(" not in scope
+    """True for operations JAX made while tracing the primal (the forward pass), and for a
+    user's ``jax.checkpoint`` re-running them in the backward pass (:func:`is_rerun`)."""
+    return ("jvp(" in scope and "transpose(" not in scope) or is_rerun(scope)
 
 
 def clean_scope(scope: str) -> str:
