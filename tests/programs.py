@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import statistics
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jaxmem
 from bench.programs import (
@@ -85,6 +88,19 @@ def small_gpt_scan() -> Program:
 def small_llama_bf16() -> Program:
     """The ``tiny`` Flax NNX Llama with bf16 compute, as the ``1b`` preset trains."""
     return llama_program("tiny", max_b=8, max_s=256, dtype="bf16")
+
+
+def deepest_level_lowers_and_matches(f: jaxmem.Jitted, args: Sequence[Any],
+                                     step: Callable[..., Any]) -> None:
+    """Asserts that ``f``'s deepest level has a lower XLA peak than its level 0 and computes
+    ``jax.jit(step)``'s outputs (``f`` then runs that level for ``args``' shapes)."""
+    levels = f.plans(*args).levels
+    deepest = f.compile_level(len(levels) - 1, *args)
+    assert deepest.peak_bytes < f.compile_level(0, *args).peak_bytes
+    f.use_plan(deepest, *args)
+    for x, y in zip(jax.tree.leaves(f(*args)), jax.tree.leaves(jax.jit(step)(*args)),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
 
 
 def relative_error(predicted: int, actual: int) -> float:
