@@ -203,10 +203,11 @@ def measure(case: dict[str, Any], repeats: int, log: Callable[[str], None]) -> d
     # policy (inside a scan's backward loop, jaxmem.plan.bodies).
     on_ns = jaxmem.jit(case["hand"]["nothing_saveable"], polymorphic_shapes=case["poly"],
                        constraints=case["constraints"])
-    on_top = min((on_ns.compile_level(k, *args)
-                  for k in range(len(on_ns.plans(*args).levels))), key=lambda p: p.peak_bytes)
+    n_levels = len(on_ns.plans(*args).levels)
+    on_top = min((on_ns.compile_level(k, *args) for k in range(n_levels)),
+                 key=lambda p: p.peak_bytes)
     row["on_checkpoint"] = {
-        "levels": len(on_ns.plans(*args).levels), "lowest_level": on_top.level,
+        "levels": n_levels, "lowest_level": on_top.level,
         "peak_bytes": on_top.peak_bytes, "vs_checkpoint": on_top.peak_bytes / ns_peak,
         "time_vs_checkpoint": time_paired(lambda: on_top.run(*args), lambda: ns(*args),
                                           repeats)[2]}

@@ -325,7 +325,7 @@ class _Rewrite:
         """Emits an original node (``backward``: of the backward pass, reading the clones
         made so far)."""
         rename = self.rename if backward else self.sent
-        if not backward and not (rename and any(v in rename for v in node.inputs)):
+        if not backward and not (self.sent and any(v in self.sent for v in node.inputs)):
             # What emit does with it, without building and comparing its tuples: the node
             # itself before any block, else the node at its new position.
             index = len(self.nodes)

@@ -37,10 +37,17 @@ _WRAPPERS = re.compile(r"\b(?:jvp|transpose|vmap|remat|checkpoint|pjit|jit)\(")
 _LAYER = re.compile(r"\d+")
 
 
+def is_primal(scope: str) -> bool:
+    """True for operations JAX made while tracing the primal: the one forward pass, which
+    segment cuts and scan pairs read."""
+    return "jvp(" in scope and "transpose(" not in scope
+
+
 def is_forward(scope: str) -> bool:
-    """True for operations JAX made while tracing the primal (the forward pass), and for a
-    user's ``jax.checkpoint`` re-running them in the backward pass (:func:`is_rerun`)."""
-    return ("jvp(" in scope and "transpose(" not in scope) or is_rerun(scope)
+    """True for the primal's operations (:func:`is_primal`), and for a user's
+    ``jax.checkpoint`` re-running them in the backward pass (:func:`is_rerun`): the values
+    both make are residuals the planner may recompute."""
+    return is_primal(scope) or is_rerun(scope)
 
 
 def clean_scope(scope: str) -> str:

@@ -33,8 +33,7 @@ from jax.extend import core as jcore
 
 from jaxmem.graph import Builder, Graph, Node, bind_eqn, build_graph, scan_counts, with_scan_counts
 from jaxmem.graph.build import dim_of
-from jaxmem.graph.types import is_rerun
-from jaxmem.plan.residuals import is_forward
+from jaxmem.plan.residuals import is_primal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +60,7 @@ def find_scan_pairs(graph: Graph) -> tuple[ScanPair, ...]:
     pairs: list[ScanPair] = []
     consumers = graph.consumers
     for f in graph.nodes:
-        if f.primitive != "scan" or f.eqn is None or not is_forward(f.scope) or is_rerun(f.scope):
+        if f.primitive != "scan" or f.eqn is None or not is_primal(f.scope):
             continue
         pair = _pair(graph, f, consumers)
         # One rewrite per backward scan: a second forward scan feeding it stays as it is.

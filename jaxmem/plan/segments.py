@@ -39,8 +39,7 @@ from typing import Any
 
 from jaxmem.fastexpr import sum_at
 from jaxmem.graph import Graph
-from jaxmem.graph.types import is_rerun
-from jaxmem.plan.residuals import Residual, is_forward
+from jaxmem.plan.residuals import Residual, is_forward, is_primal
 
 #: A value read across more than this share of the forward pass is shared by the
 #: layers (a rotary table, a mask), not a cut: it is kept by every segment plan.
@@ -174,8 +173,7 @@ def find_segments(graph: Graph, corner: Mapping[Any, int] | None = None,
             symbolic graph's positions when analysing its concrete twin.
     """
     batch = batch_inputs(graph) if batch is None else batch
-    forward = [n for n in graph.nodes
-               if not n.is_backward and is_forward(n.scope) and not is_rerun(n.scope)]
+    forward = [n for n in graph.nodes if is_primal(n.scope)]
     where = {n.index: p for p, n in enumerate(forward)}
     producers = graph.producers
     inputs = _sources(graph, batch)
@@ -238,7 +236,7 @@ def segment_residuals(graph: Graph, segments: Segments, plan: SegmentPlan,
     members: dict[int, list[Residual]] = collections.defaultdict(list)
     for r in residuals:
         if (r.value in keep or r.primitive in plan.save or r.group in plan.save
-                or graph.nodes[r.producer].is_backward or is_rerun(graph.nodes[r.producer].scope)):
+                or not is_primal(graph.nodes[r.producer].scope)):
             continue
         members[bisect.bisect_right(starts, r.producer)].append(r)
     chosen = []
