@@ -242,7 +242,7 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual],
         rw.track_live(node, back)
         if node.index in offloaded_after:
             rw.offload(node, offloaded_after[node.index])
-        if node.outputs:
+        if node.outputs and node.outputs[0] not in rw.constant:
             rw.last_out = node.outputs[0]
     return Graph(tuple(rw.values), tuple(rw.nodes), graph.inputs, graph.outputs, graph.consts)
 
@@ -263,13 +263,17 @@ class _Rewrite:
         self.rename: dict[int, int] = {}  # residual value -> its clone or reloaded copy, once made
         self.host: dict[int, int] = {}  # offloaded value -> its copy in host memory
         self.sent: dict[int, int] = {}  # offloaded value -> what later forward nodes read
-        self.last_out: int | None = None  # latest value made before the current node
+        self.last_out: int | None = None  # latest non-constant value made before the node
         memo = chain_memo(graph)
         self.last_read = memo.last_read(graph)  # value -> the last node reading it
         self.live: dict[int, None] = {}  # backward buffers read after the current node
         # Only values XLA gives a buffer anyway are pinned: passing a fused one (a
         # broadcast cotangent) through a barrier would materialise it.
         self.owner = memo.owner(graph)
+        # A backward value computed from dims and constants alone (the loss's cotangent,
+        # broadcast) exists before the forward pass ends: pinned to it, a recomputation
+        # races the forward tail instead of following it.
+        self.constant = graph.constant
 
     def track_live(self, node: Node, backward: bool) -> None:
         """Updates :attr:`live` once ``node`` (``backward``: of the backward pass) has run."""
@@ -281,7 +285,7 @@ class _Rewrite:
         if backward:
             self.live.update((v, None) for v in node.outputs
                              if self.last_read.get(v, -1) > node.index
-                             and self.owner.get(v) == v)
+                             and self.owner.get(v) == v and v not in self.constant)
 
     def new_value(self, like: int, on_host: bool = False) -> int:
         """A new value shaped like ``like`` (taking no device bytes on the host); its id."""
@@ -363,8 +367,8 @@ class _Rewrite:
         # The barrier's backward operands pin the block after the node that ran just
         # before its first use: XLA can hoist neither recomputation nor reload.
         trigger = next((v for v in node.inputs
-                        if v in producers and graph.nodes[producers[v]].is_backward),
-                       self.last_out)
+                        if v in producers and graph.nodes[producers[v]].is_backward
+                        and v not in self.constant), self.last_out)
         sources = [self.rename.get(v, v) for v in leaves] + [self.host[v] for v in reload]
         sourced = set(leaves)
         live = [v for v in self.live if v not in sourced]
