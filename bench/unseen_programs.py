@@ -16,7 +16,10 @@ and the constraints of the shape domain.
 * ``moe``: a plain-JAX decoder whose MLPs are top-2 mixtures of 4 experts (softmax
   router, ``lax.top_k``, one-hot dispatch by ``einsum``), under ``optax.lion``;
 * ``remat-scan``: a Flax linen decoder as MaxText writes it, ``nn.scan`` over
-  ``nn.remat`` blocks (the user's own checkpoint), under ``optax.adamw``.
+  ``nn.remat`` blocks (the user's own checkpoint), under ``optax.adamw``;
+* ``vit``: a plain-JAX vision transformer (patches cut by ``reshape`` / ``transpose``
+  from images of dynamic batch and side, exact ``erf`` GELU, mean pooling, one-hot
+  cross-entropy), under ``optax.adafactor``.
 
 Example:
     >>> case = CASES["cnn"](True)
@@ -71,11 +74,12 @@ def _layer_norm(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
     return (x - mean) / jnp.sqrt(var + 1e-5) * g + b
 
 
-def _attention(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+def _attention(x: jax.Array, p: dict[str, jax.Array], causal: bool = True) -> jax.Array:
     b, s, _ = x.shape
     q, k, v = ((x @ p[n]).reshape(b, s, 4, D // 4) for n in "qkv")
     scores = jnp.einsum("bshd,bthd->bhst", q, k) / np.sqrt(D // 4)
-    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e9)
+    if causal:
+        scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e9)
     o = jnp.einsum("bhst,bthd->bshd", jax.nn.softmax(scores, -1), v).reshape(b, s, D)
     return o @ p["o"]
 
@@ -260,6 +264,34 @@ def remat_scan_case(quick: bool) -> Case:
                 (None, "b, s"), (f"b <= {b}", f"s <= {s}"))
 
 
+def vit_case(quick: bool) -> Case:
+    """The vision transformer on ``(b, 4 h, 4 h, 3)`` images (4x4 patches)."""
+    layers, (b, side) = (1, (2, 8)) if quick else (3, (16, 32))
+    patch = 4
+    shapes = {"patch": (patch * patch * 3, D), "head": (D, 10), "layers": [
+        {"attn": _ATTENTION, "w1": (D, 4 * D), "w2": (4 * D, D), "g": (D,), "b": (D,)}
+        for _ in range(layers)]}
+    params = _normal(shapes, 2)
+    opt = optax.adafactor(1e-3)
+
+    def loss(p: Any, images: jax.Array, labels: jax.Array) -> jax.Array:
+        n, h, w, c = images.shape
+        x = images.reshape(n, h // patch, patch, w // patch, patch, c)
+        x = x.transpose(0, 1, 3, 2, 4, 5).reshape(n, -1, patch * patch * c) @ p["patch"]
+        for lp in p["layers"]:
+            x = x + _attention(_layer_norm(x, lp["g"], lp["b"]), lp["attn"], causal=False)
+            hidden = _layer_norm(x, lp["g"], lp["b"]) @ lp["w1"]
+            x = x + jax.nn.gelu(hidden, approximate=False) @ lp["w2"]
+        logits = x.mean(1) @ p["head"]
+        return -(jax.nn.one_hot(labels, 10) * jax.nn.log_softmax(logits)).sum(-1).mean()
+
+    rng = np.random.default_rng(0)
+    images = jnp.asarray(rng.normal(size=(b, side, side, 3)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 10, (b,)), jnp.int32)
+    return Case(optax_step(loss, opt), (params, opt.init(params)), (images, labels),
+                (None, "b, 4*h, 4*h, 3", "b"), (f"b <= {b}", f"h <= {side // 4}"))
+
+
 def _lm_loss_logits(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, jnp.roll(tokens, -1, 1)).mean()
@@ -268,4 +300,4 @@ def _lm_loss_logits(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 #: name -> builder of the program's case (``quick``: CI-sized)
 CASES: dict[str, Callable[[bool], Case]] = {
     "accum": accum_case, "cnn": cnn_case, "encdec": encdec_case, "moe": moe_case,
-    "remat-scan": remat_scan_case}
+    "remat-scan": remat_scan_case, "vit": vit_case}
