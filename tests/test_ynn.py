@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import jaxmem
 from bench.accuracy import polymorphic_shapes
 from bench.programs import gpt_program
+from hlo_passes.timeline import buffer_timeline
 from jaxmem.graph import build_graph
 from jaxmem.memory.fusion import materialised, used_nodes
 from jaxmem.memory.ynn import (
@@ -88,6 +89,28 @@ def test_softmax_backward_dot_is_fused_from_the_row_threshold() -> None:
     rows_per_b = 4 * 256  # softmax rows: b * heads * s
     for n in (1, 2, 3, 4, 8):
         assert fused[dot].subs(sym("b"), n) == int(n * rows_per_b < YNN_MIN_ROWS)
+
+
+def _attention_grad_bf16(q, k, v):
+    """bf16 matmuls, the softmax in float32: ``dP`` is bf16, converted before the row sum."""
+    def loss(q, k, v):
+        p = _softmax((q @ k.swapaxes(-1, -2)).astype(jnp.float32)).astype(jnp.bfloat16)
+        return jnp.tanh((p @ v).astype(jnp.float32)).sum()
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+def test_bf16_softmax_backward_dot_is_fused_through_its_convert() -> None:
+    (b,) = jax.export.symbolic_shape("b")
+    spec = jax.ShapeDtypeStruct((b, 4, 256, 64), jnp.bfloat16)
+    g = build_graph(jax.make_jaxpr(_attention_grad_bf16)(spec, spec, spec))
+    (dot,) = row_fused_dots(g, materialised(g))
+    assert g.values[dot].dtype == "bfloat16" and g.values[dot].shape[-2:] == (256, 256)
+    x = jnp.ones((4, 4, 256, 64), jnp.bfloat16)  # 4096 softmax rows: YNN's
+    compiled = jax.jit(_attention_grad_bf16).lower(x, x, x).compile()
+    backward_dots = [buf for buf in buffer_timeline(compiled).buffers
+                     if buf.kind == "temp" and "transpose(" in buf.op_name
+                     and buf.op_name.endswith("dot_general") and "256,256]" in buf.shape]
+    assert not backward_dots, "XLA computes dP inside the row sum's fusion"
 
 
 def _layer_norm_grad_bf16(x, scale, bias, w):

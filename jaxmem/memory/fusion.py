@@ -29,6 +29,7 @@ import sympy
 from jaxmem.graph import EXPENSIVE, Graph, Node
 from jaxmem.memory.fillers import sunk_broadcasts
 from jaxmem.memory.library import pooling_fusions
+from jaxmem.memory.readers import erfc_shared_exps, low_precision_arithmetic
 
 
 class Extra(NamedTuple):
@@ -55,7 +56,7 @@ def materialised(graph: Graph) -> dict[int, int]:
     owner: dict[int, int] = {v: v for v in graph.inputs}
     sunk, folded = sunk_broadcasts(graph), _folded_pads(graph)
     pooled, pool_operands = pooling_fusions(graph)
-    merged = _erfc_shared_exps(graph)
+    merged = erfc_shared_exps(graph)  # exps with a reader the jaxpr does not show
 
     def real_consumer_kinds(v: int) -> list[str]:
         kinds = []
@@ -97,37 +98,10 @@ def materialised(graph: Graph) -> dict[int, int]:
             # and the float32 convert of a bfloat16 input, get their own buffers).
             duplicable = len(kinds) <= 1 or (n.primitive not in EXPENSIVE
                                              and "reduce" not in kinds
+                                             and not low_precision_arithmetic(graph, n, o)
                                              and _effectively_unary(graph, n))
             owner[o] = -1 if (fusible and duplicable) else o
     return owner
-
-
-def _erfc_shared_exps(graph: Graph) -> frozenset[int]:
-    """``exp(-x**2)`` values XLA's CSE also hands to an ``erfc(x)``: XLA expands erfc into a
-    polynomial that computes ``exp(-x*x)`` itself, and its CSE merges that with the one
-    erfc's derivative computes (exact GELU's backward), so the exp has one more reader
-    than the jaxpr shows (measured: a forward ``negate_exponential_fusion`` is kept for
-    the backward pass)."""
-    nodes, producers = graph.nodes, graph.producers
-
-    def source(v: int, primitive: str) -> int | None:
-        p = producers.get(v)
-        node = nodes[p] if p is not None else None
-        if node is None or node.primitive != primitive or not node.inputs:
-            return None
-        return node.inputs[0]
-
-    erfc_inputs = {n.inputs[0] for n in nodes if n.primitive == "erfc" and n.inputs}
-    if not erfc_inputs:
-        return frozenset()
-    out = set()
-    for n in nodes:
-        if n.primitive != "exp" or not n.inputs:
-            continue
-        negated = source(n.inputs[0], "neg")
-        if negated is not None and source(negated, "square") in erfc_inputs:
-            out.update(n.outputs)
-    return frozenset(out)
 
 
 def _folded_pads(graph: Graph) -> frozenset[int]:

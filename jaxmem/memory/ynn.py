@@ -95,9 +95,9 @@ def _is_view_sum(graph: Graph, node_index: int) -> bool:
 
 #: Ops a row sum's YNN fusion grows through: the library's element-wise table, and the
 #: jaxpr ops XLA sees as an add or a view. A ``select_n`` (a mask) ends it. A convert
-#: is taken too, but a dot reached only through one counts only with a prologue
-#: (measured on the bf16 GPT: its last layer's MLP joins ``ln_f``'s fusion, while the
-#: softmax backward's ``dP`` keeps its buffer there).
+#: is taken too, and a dot reached through one is inside (measured, session 21: the bf16
+#: GPT's softmax backward ``dP``, bf16 then converted, has no buffer at (4, 256) or
+#: (8, 512), levels 0, 8 and 10; its last layer's MLP joins ``ln_f``'s fusion).
 YNN_ELEMENTWISE = (LIBRARY_ELEMENTWISE - {"convert_element_type"}) | {
     "add_any", "broadcast_in_dim", "reshape"}
 
@@ -156,10 +156,9 @@ def _all_fused(graph: Graph, v: int, fused: set[int], used: Sequence[bool]) -> b
 
 
 def _row_fusion(graph: Graph, reduction: int, hops: int, used: Sequence[bool]
-                ) -> tuple[set[int], list[tuple[int, bool]]]:
+                ) -> tuple[set[int], list[int]]:
     """The nodes of the YNN fusion grown from row sum ``reduction`` and the dot results
-    inside it (whose own operands are the fusion's parameters), each with whether the
-    fusion reached it only through a dtype convert."""
+    inside it (whose own operands are the fusion's parameters)."""
     consumers, producers, nodes = graph.consumers, graph.producers, graph.nodes
     fuses = lambda ni: (nodes[ni].primitive in YNN_ELEMENTWISE  # noqa: E731
                         or _is_view_sum(graph, ni))
@@ -173,8 +172,7 @@ def _row_fusion(graph: Graph, reduction: int, hops: int, used: Sequence[bool]
         fused.update(users)
         outs = [nodes[u].outputs[0] for u in users]
     shape = graph.values[nodes[reduction].inputs[0]].shape
-    dots: dict[int, bool] = {}
-    converted = {reduction: False}
+    dots: dict[int, None] = {}
     for _ in range(hops):  # to a fixpoint: a producer joins once all its readers have
         grown = False
         for ni in list(fused):
@@ -183,18 +181,16 @@ def _row_fusion(graph: Graph, reduction: int, hops: int, used: Sequence[bool]
                 if (p is None or p in fused or graph.values[x].shape != shape
                         or len(nodes[p].outputs) != 1 or not _all_fused(graph, x, fused, used)):
                     continue
-                via = converted.get(ni, False)
                 if nodes[p].primitive == "dot_general":
-                    dots[x] = dots.get(x, via) and via
+                    dots[x] = None
                     continue
                 if not fuses(p) and nodes[p].primitive != "convert_element_type":
                     continue
                 fused.add(p)
-                converted[p] = via or nodes[p].primitive == "convert_element_type"
                 grown = True
         if not grown:
             break
-    return fused, list(dots.items())
+    return fused, list(dots)
 
 
 def _prologue(graph: Graph, dot: int, fused: set[int], used: Sequence[bool], hops: int = 16
@@ -234,13 +230,10 @@ def row_fusions(graph: Graph, used: Sequence[bool] | None, backend: str = "cpu",
     for node in graph.nodes:
         if node.primitive == "reduce_sum" and used[node.index] and _is_row_sum(graph, node.index):
             fused, found = _row_fusion(graph, node.index, hops, used)
-            dots, chain = [], set()
-            for d, converted in found:
-                ops = _prologue(graph, graph.producers[d], fused, used)
-                if ops or not converted:
-                    dots.append(d)
-                    chain |= ops
-            out.append((node.index, fused, dots, chain))
+            chain: set[int] = set()
+            for d in found:
+                chain |= _prologue(graph, graph.producers[d], fused, used)
+            out.append((node.index, fused, found, chain))
     return out
 
 

@@ -226,24 +226,22 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual],
         return graph
     off = {r.value: r for r, _ in moved}
     by_first: dict[int, list[tuple[Residual, Chain]]] = {}
+    offloaded_after: dict[int, list[int]] = {}  # producer -> its offloaded outputs
     for r, chain in chains + moved:
         by_first.setdefault(r.first_use, []).append((r, chain))
-    offloaded_after: dict[int, list[int]] = {}  # producer -> its offloaded outputs
     for r in off.values():
         offloaded_after.setdefault(r.producer, []).append(r.value)
     rw = _Rewrite(graph, off)
     backward = chain_memo(graph).backward(graph)
     for node in graph.nodes:
-        block = by_first.get(node.index)
-        if block:
+        if block := by_first.get(node.index):
             rw.rebuild_block(node, block)
         back = backward[node.index]
         rw.copy_node(node, back)
         rw.track_live(node, back)
         if node.index in offloaded_after:
             rw.offload(node, offloaded_after[node.index])
-        if node.outputs and node.outputs[0] not in rw.constant:
-            rw.last_out = node.outputs[0]
+        rw.last_out = next((o for o in node.outputs[:1] if o not in rw.constant), rw.last_out)
     return Graph(tuple(rw.values), tuple(rw.nodes), graph.inputs, graph.outputs, graph.consts)
 
 
@@ -268,12 +266,10 @@ class _Rewrite:
         self.last_read = memo.last_read(graph)  # value -> the last node reading it
         self.live: dict[int, None] = {}  # backward buffers read after the current node
         # Only values XLA gives a buffer anyway are pinned: passing a fused one (a
-        # broadcast cotangent) through a barrier would materialise it.
-        self.owner = memo.owner(graph)
-        # A backward value computed from dims and constants alone (the loss's cotangent,
-        # broadcast) exists before the forward pass ends: pinned to it, a recomputation
-        # races the forward tail instead of following it.
-        self.constant = graph.constant
+        # broadcast cotangent) through a barrier would materialise it. Nor values made of
+        # dims and constants (the loss's cotangent): they exist before the forward pass
+        # ends, and a rebuild pinned to one races the forward tail.
+        self.owner, self.constant = memo.owner(graph), graph.constant
 
     def track_live(self, node: Node, backward: bool) -> None:
         """Updates :attr:`live` once ``node`` (``backward``: of the backward pass) has run."""
