@@ -29,3 +29,20 @@ def bs_domain():
     from jaxmem.symbolic import ShapeDomain
 
     return ShapeDomain.from_constraints(("b", "s"), ("b <= 16", "s <= 512"))
+
+
+@pytest.fixture(scope="session")
+def b_dim():
+    """A symbolic batch dim ``b <= 1024``."""
+    import jax
+
+    (b,) = jax.export.symbolic_shape("b", constraints=("b <= 1024",))
+    return b
+
+
+@pytest.fixture(scope="session")
+def b_dom():
+    """The domain ``1 <= b <= 1024`` of :func:`b_dim`."""
+    from jaxmem.symbolic import ShapeDomain
+
+    return ShapeDomain.from_constraints(("b",), ("b <= 1024",))

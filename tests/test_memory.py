@@ -50,17 +50,6 @@ def graph_of(fn, *specs):
     return build_graph(jax.make_jaxpr(fn)(*specs))
 
 
-@pytest.fixture(scope="module")
-def b_dim():
-    (b,) = jax.export.symbolic_shape("b", constraints=("b <= 1024",))
-    return b
-
-
-@pytest.fixture(scope="module")
-def b_dom():
-    return ShapeDomain.from_constraints(("b",), ("b <= 1024",))
-
-
 # --- what is materialised, and for how long --------------------------------------------------
 
 

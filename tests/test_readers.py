@@ -12,20 +12,9 @@ from hlo_passes.timeline import buffer_timeline
 from jaxmem.graph import build_graph
 from jaxmem.memory import liveness, memory_model
 from jaxmem.memory.fusion import materialised
-from jaxmem.symbolic import ShapeDomain, sym
+from jaxmem.symbolic import sym
 
 B = sym("b")
-
-
-@pytest.fixture(scope="module")
-def b_dim():
-    (b,) = jax.export.symbolic_shape("b", constraints=("b <= 1024",))
-    return b
-
-
-@pytest.fixture(scope="module")
-def b_dom():
-    return ShapeDomain.from_constraints(("b",), ("b <= 1024",))
 
 
 def graph_of(fn, *specs):
