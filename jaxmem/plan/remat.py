@@ -1,17 +1,16 @@
 """Recomputation and offload as a graph rewrite: residuals leave, and return where needed.
 
-:func:`apply_remat` returns a new :class:`~jaxmem.graph.Graph` in which every
-backward read of a recomputed residual reads a clone, made just before its
-first backward use by re-running the forward operations that produced it. The
-clone's inputs pass through ``optimization_barrier`` together with the backward
-pass's buffers live at that point, so XLA can neither run the recomputation
-early nor merge it with the forward original (on CPU that needs the
-``cse_barrier_expander`` pass off; see :mod:`jaxmem.lower`). The live backward
-buffers leave the barrier renamed, so they are materialised there: XLA cannot fuse
-the residual stream's running gradient sum (``dx + ...`` of every layer) into one
-late consumer, which would keep every layer's recomputed values and saved cuts
-alive to the end of the backward pass (plain-JAX GPT 4x256, segment plan: 113.8
-MiB without, 98.6 with). The memory model runs on the result unchanged.
+:func:`apply_remat` returns a new :class:`~jaxmem.graph.Graph` in which every backward read
+of a recomputed residual reads a clone, made just before its first backward use by
+re-running the forward operations that produced it. The clone's inputs pass through
+``optimization_barrier`` together with the backward pass's buffers live at that point, so
+XLA can neither run the recomputation early nor merge it with the forward original (on CPU
+that needs the ``cse_barrier_expander`` pass off; see :mod:`jaxmem.lower`). The live
+backward buffers leave the barrier renamed, so they are materialised there: XLA cannot fuse
+the residual stream's running gradient sum (``dx + ...`` of every layer) into one late
+consumer, which would keep every layer's recomputed values and saved cuts alive to the end
+of the backward pass (plain-JAX GPT 4x256, segment plan: 113.8 MiB without, 98.6 with). The
+memory model runs on the result unchanged.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -198,10 +197,9 @@ def chain_memo(graph: Graph) -> ChainMemo:
     return memo
 
 
-def apply_remat(graph: Graph, recompute: Iterable[Residual],
-                offload: Iterable[Residual] = (),
-                residuals: Sequence[Residual] | None = None,
-                keep: Collection[int] = (), long_chains: bool = False,
+def apply_remat(graph: Graph, recompute: Iterable[Residual], offload: Iterable[Residual] = (),
+                residuals: Sequence[Residual] | None = None, keep: Collection[int] = (),
+                long_chains: bool = False,
                 chains: Sequence[tuple[Residual, Chain]] | None = None) -> Graph:
     """Rewrites ``graph`` so that the given residuals are recomputed or offloaded, not kept.
 
@@ -241,7 +239,7 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual],
         rw.track_live(node, back)
         if node.index in offloaded_after:
             rw.offload(node, offloaded_after[node.index])
-        rw.last_out = next((o for o in node.outputs[:1] if o not in rw.constant), rw.last_out)
+        rw.last_out = next((o for o in node.outputs[:1] if rw.pinnable(o)), rw.last_out)
     return Graph(tuple(rw.values), tuple(rw.nodes), graph.inputs, graph.outputs, graph.consts)
 
 
@@ -261,15 +259,15 @@ class _Rewrite:
         self.rename: dict[int, int] = {}  # residual value -> its clone or reloaded copy, once made
         self.host: dict[int, int] = {}  # offloaded value -> its copy in host memory
         self.sent: dict[int, int] = {}  # offloaded value -> what later forward nodes read
-        self.last_out: int | None = None  # latest non-constant value made before the node
+        self.last_out: int | None = None  # latest pinnable value made before the node
         memo = chain_memo(graph)
         self.last_read = memo.last_read(graph)  # value -> the last node reading it
         self.live: dict[int, None] = {}  # backward buffers read after the current node
-        # Only values XLA gives a buffer anyway are pinned: passing a fused one (a
-        # broadcast cotangent) through a barrier would materialise it. Nor values made of
-        # dims and constants (the loss's cotangent): they exist before the forward pass
-        # ends, and a rebuild pinned to one races the forward tail.
-        self.owner, self.constant = memo.owner(graph), graph.constant
+        # Pinned: values XLA gives a buffer anyway (through a barrier a fused one would be
+        # materialised), and not, until the backward pass makes others, ones made of dims
+        # and constants (the loss's cotangent): pinned to one, a rebuild raced the forward
+        # tail (later on, pinning them measured lower in scan bodies).
+        self.owner, self.constant, self.began = memo.owner(graph), graph.constant, False
 
     def track_live(self, node: Node, backward: bool) -> None:
         """Updates :attr:`live` once ``node`` (``backward``: of the backward pass) has run."""
@@ -279,9 +277,13 @@ class _Rewrite:
                 if last_read.get(v) == node.index:
                     live.pop(v, None)
         if backward:
-            self.live.update((v, None) for v in node.outputs
-                             if self.last_read.get(v, -1) > node.index
-                             and self.owner.get(v) == v and v not in self.constant)
+            owner, began, constant = self.owner, self.began, self.constant
+            live.update((v, None) for v in node.outputs if last_read.get(v, -1) > node.index
+                        and owner.get(v) == v and (began or v not in constant))
+            self.began = began or any(v not in constant for v in node.outputs)
+
+    def pinnable(self, v: int) -> bool:
+        return self.owner.get(v) == v and v not in self.constant
 
     def new_value(self, like: int, on_host: bool = False) -> int:
         """A new value shaped like ``like`` (taking no device bytes on the host); its id."""
@@ -322,12 +324,10 @@ class _Rewrite:
         self.sent.update(zip(values, barrier_out[len(values):], strict=True))
 
     def copy_node(self, node: Node, backward: bool) -> None:
-        """Emits an original node (``backward``: of the backward pass, reading the clones
-        made so far)."""
+        """Emits an original node (``backward``: reading the clones made so far)."""
         rename = self.rename if backward else self.sent
         if not backward and not (self.sent and any(v in self.sent for v in node.inputs)):
-            # What emit does with it, without building and comparing its tuples: the node
-            # itself before any block, else the node at its new position.
+            # emit's result (the node, or it at its new position) without building tuples
             index = len(self.nodes)
             self.nodes.append(node if index == node.index else replaced(node, index=index))
             return
@@ -362,9 +362,9 @@ class _Rewrite:
         graph, producers = self.graph, self.producers
         # The barrier's backward operands pin the block after the node that ran just
         # before its first use: XLA can hoist neither recomputation nor reload.
-        trigger = next((v for v in node.inputs
-                        if v in producers and graph.nodes[producers[v]].is_backward
-                        and v not in self.constant), self.last_out)
+        trigger = next((v for v in node.inputs if v in producers
+                        and graph.nodes[producers[v]].is_backward and self.pinnable(v)),
+                       self.last_out)
         sources = [self.rename.get(v, v) for v in leaves] + [self.host[v] for v in reload]
         sourced = set(leaves)
         live = [v for v in self.live if v not in sourced]
