@@ -239,7 +239,6 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual], offload: Iterable[R
         rw.track_live(node, back)
         if node.index in offloaded_after:
             rw.offload(node, offloaded_after[node.index])
-        rw.last_out = next((o for o in node.outputs[:1] if rw.pinnable(o)), rw.last_out)
     return Graph(tuple(rw.values), tuple(rw.nodes), graph.inputs, graph.outputs, graph.consts)
 
 
@@ -263,14 +262,13 @@ class _Rewrite:
         memo = chain_memo(graph)
         self.last_read = memo.last_read(graph)  # value -> the last node reading it
         self.live: dict[int, None] = {}  # backward buffers read after the current node
-        # Pinned: values XLA gives a buffer anyway (through a barrier a fused one would be
-        # materialised), and not, until the backward pass makes others, ones made of dims
-        # and constants (the loss's cotangent): pinned to one, a rebuild raced the forward
-        # tail (later on, pinning them measured lower in scan bodies).
+        # Pinned: values XLA gives a buffer anyway (a fused one would be materialised), not
+        # (until the backward pass makes others) ones made of dims and constants, like the
+        # loss's cotangent: pinned to one, a rebuild raced the forward tail.
         self.owner, self.constant, self.began = memo.owner(graph), graph.constant, False
 
     def track_live(self, node: Node, backward: bool) -> None:
-        """Updates :attr:`live` once ``node`` (``backward``: of the backward pass) has run."""
+        """Updates :attr:`live` and :attr:`last_out` after ``node`` ran (``backward``: its pass)."""
         live, last_read = self.live, self.last_read
         if live:  # empty through the forward pass: nothing to drop
             for v in node.inputs:
@@ -281,6 +279,8 @@ class _Rewrite:
             live.update((v, None) for v in node.outputs if last_read.get(v, -1) > node.index
                         and owner.get(v) == v and (began or v not in constant))
             self.began = began or any(v not in constant for v in node.outputs)
+        if node.outputs and self.pinnable(node.outputs[0]):
+            self.last_out = node.outputs[0]
 
     def pinnable(self, v: int) -> bool:
         return self.owner.get(v) == v and v not in self.constant
