@@ -174,6 +174,20 @@ def sum_at(exprs: Iterable[sympy.Expr], subs: Mapping[sympy.Symbol, int]) -> sym
     return total
 
 
+def pairs_at(pairs: Iterable[tuple[sympy.Expr, sympy.Expr]],
+             subs: Mapping[sympy.Symbol, int]) -> sympy.Expr:
+    """``sum(c * m for m, c in pairs).subs(subs)`` without building the sum: each
+    monomial is evaluated once per point (a live set's ``(monomial, coefficient)`` pairs).
+
+    Example:
+        >>> b = sympy.Symbol("b")
+        >>> pairs_at([(b, 4), (b**2, 1), (sympy.Integer(1), 8)], {b: 3})
+        29
+    """
+    point = tuple(sorted(subs.items(), key=lambda kv: str(kv[0])))
+    return sympy.Integer(0) + sum(c * _at(m, point) for m, c in pairs)
+
+
 @functools.lru_cache(maxsize=65536)
 def _at(e: sympy.Expr, point: tuple[tuple[sympy.Symbol, int], ...]) -> sympy.Expr:
     return sympy.sympify(e.subs(dict(point)))

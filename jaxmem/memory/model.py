@@ -43,6 +43,7 @@ from collections.abc import Sequence
 import jax
 import sympy
 
+from jaxmem.fastexpr import pairs_at
 from jaxmem.graph import Graph, scan_counts
 from jaxmem.memory.assign import assignment_peak
 from jaxmem.memory.frontier import candidate_points, max_expr, to_expr
@@ -220,7 +221,9 @@ def forget_body_models() -> None:
 def _largest_point(m: MemoryModel, dom: ShapeDomain) -> tuple[sympy.Expr, ...]:
     """Sizes of the temporaries live at ``m``'s largest point at the domain's corner."""
     corner = {sym(k): v for k, v in dom.corner().items()}
-    p = max(m.candidates, key=lambda q: float(m.timeline[q].subs(corner)), default=None)
+    # The pairs, not ``timeline``: building and substituting sympy sums took a third of
+    # a scanned step's loop plans.
+    p = max(m.candidates, key=lambda q: float(pairs_at(m.points[q], corner)), default=None)
     if p is None:
         return ()
     return tuple(b.nbytes for b in m.buffers if b.kind == "temp" and b.start <= p <= b.end)
@@ -308,11 +311,11 @@ def _bodies(graph: Graph, order: Sequence[int], dom: ShapeDomain,
             continue
         models = [_inner(g, dom, symbolic, backend) for g in node.subgraphs]
         if len(models) > 1 and node.primitive == "cond":
-            out[p] = _Body(sympy.Max(*[m.temp_bytes for m in models]))
+            out[p] = _Body(max_expr([m.temp_bytes for m in models]))
             continue
         sliced = (_sliced_xs(node.subgraphs[0], node.eqn.params)
                   if node.primitive == "scan" and node.eqn is not None else sympy.Integer(0))
-        temp = sympy.Max(*[m.temp_bytes for m in models]) + sliced
+        temp = max_expr([m.temp_bytes for m in models]) + sliced
         buffers = list(_largest_point(models[-1], dom))  # a while's body, not its cond
         out[p] = _Body(temp, (*buffers, sliced) if buffers or sliced != 0 else ())
     return out
