@@ -278,19 +278,21 @@ def _canonical_dot_operands(dims: tuple, ranks: tuple[int, int]) -> tuple[bool, 
 
     XLA canonicalises every dot to ``[batch, M, K] x [batch, K, N]`` with
     row-major operands (``DotDecomposer``, CPU layout assignment); the CPU
-    library also takes the right operand as ``[batch, N, K]``. An operand whose
-    batch dims are not leading, or whose contracting dims are elsewhere, is first
-    copied into that order (measured: ``x @ x.T`` needs no copy, the weight
+    library also takes the right operand as ``[batch, N, K]`` when N is one dim. An
+    operand whose batch dims are not leading, or whose contracting dims are elsewhere,
+    is first copied into that order (measured: ``x @ x.T`` needs no copy, the weight
     gradient ``x.T @ dy`` copies ``x``).
     """
     (lc, rc), (lb, rb) = dims
     nb = len(lb)
     lhs_ok = (tuple(lb) == tuple(range(nb))
               and tuple(lc) == tuple(range(ranks[0] - len(lc), ranks[0])))
-    # The right operand may also come as [batch, N, K] (the library takes it transposed).
+    # The right operand may also come as [batch, N, K] (the library takes it transposed),
+    # but only with one free dim N: GQA's probabilities [b, k, g, q, s], read contracting
+    # s, are copied to [batch, K, N] first (measured, jax 0.10.2).
+    nk = (tuple(range(ranks[1] - len(rc), ranks[1])),) if ranks[1] - nb - len(rc) == 1 else ()
     rhs_ok = (tuple(rb) == tuple(range(nb))
-              and tuple(rc) in (tuple(range(nb, nb + len(rc))),
-                                tuple(range(ranks[1] - len(rc), ranks[1]))))
+              and tuple(rc) in (tuple(range(nb, nb + len(rc))), *nk))
     return lhs_ok, rhs_ok
 
 
@@ -335,7 +337,9 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
             reads.add((ni, v.id))
             span = spans.setdefault(v.id, [min(copy_start(graph, pos, v.id, p), p), p])
             span[1] = p
-    return [Extra(v, size(v), a, b, "transposed copy")
+    # A view's copy has the bytes of the buffer it views (float32 when widened).
+    return [Extra(v, size(v if owner.get(v, v) == -1 else owner.get(v, v)), a, b,
+                  "transposed copy")
             for v, (a, b) in spans.items()]
 
 
