@@ -201,7 +201,21 @@ def epilogue_broadcasts(graph: Graph, order: Sequence[int], owner: dict[int, int
                     region.add(e.outputs[0])
                     nxt.append(e.outputs[0])
             frontier = nxt
-    return out
+    return _merged_by_source(graph, out)
+
+
+def _merged_by_source(graph: Graph, extras: list[Extra]) -> list[Extra]:
+    """One buffer per broadcast XLA's CSE makes one: the same source broadcast the same
+    way (each layer of an unrolled step broadcasts the rotary tables anew in the jaxpr)."""
+    merged: dict[tuple, Extra] = {}
+    for x in extras:
+        b = graph.nodes[graph.producers[x.value]]
+        key = (b.inputs[0], graph.values[x.value].shape,
+               dict(b.params).get("broadcast_dimensions"), x.nbytes)
+        y = merged.get(key)
+        merged[key] = x if y is None else Extra(y.value, y.nbytes, min(y.start, x.start),
+                                                max(y.end, x.end), y.note)
+    return list(merged.values())
 
 
 def _broadcast_operands(graph: Graph, e: Node, region: set[int], owner: dict[int, int],
