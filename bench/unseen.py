@@ -18,8 +18,8 @@ written one way the planner has not been tuned on:
 and the programs of :mod:`bench.unseen_programs`, which are no such decoder:
 ``accum`` (gradient accumulation under ``lax.scan``), ``cnn`` (a linen convnet),
 ``encdec`` (an NNX encoder-decoder with two sequence dims), ``moe`` (top-2 experts),
-``remat-scan`` (linen ``nn.scan`` over ``nn.remat`` blocks) and ``vit`` (a vision
-transformer with exact GELU).
+``remat-scan`` (linen ``nn.scan`` over ``nn.remat`` blocks), ``ssm`` (a linear recurrence
+by ``lax.associative_scan``) and ``vit`` (a vision transformer with exact GELU).
 
 For each program: ``jaxmem.jit`` at a budget of 0.6x plain ``jax.jit``'s XLA peak
 (does it fit, do outputs equal ``jax.jit``'s, seconds to plan), and every level's XLA

@@ -17,6 +17,9 @@ and the constraints of the shape domain.
   router, ``lax.top_k``, one-hot dispatch by ``einsum``), under ``optax.lion``;
 * ``remat-scan``: a Flax linen decoder as MaxText writes it, ``nn.scan`` over
   ``nn.remat`` blocks (the user's own checkpoint), under ``optax.adamw``;
+* ``ssm``: a plain-JAX state-space LM whose layers run a diagonal linear recurrence by
+  ``lax.associative_scan`` (strided slices, pads and concatenates instead of a loop),
+  under SGD with Nesterov momentum;
 * ``vit``: a plain-JAX vision transformer (patches cut by ``reshape`` / ``transpose``
   from images of dynamic batch and side, exact ``erf`` GELU, mean pooling, one-hot
   cross-entropy), under ``optax.adafactor``.
@@ -292,6 +295,41 @@ def vit_case(quick: bool) -> Case:
                 (None, "b, 4*h, 4*h, 3", "b"), (f"b <= {b}", f"h <= {side // 4}"))
 
 
+def _linear_recurrence(decay: jax.Array, u: jax.Array) -> jax.Array:
+    """``h_t = decay * h_{t-1} + u_t`` along axis 1, by ``lax.associative_scan`` (the
+    parallel form of an S5/LRU-style state space layer)."""
+    def combine(left: tuple[jax.Array, jax.Array], right: tuple[jax.Array, jax.Array]
+                ) -> tuple[jax.Array, jax.Array]:
+        return left[0] * right[0], right[0] * left[1] + right[1]
+
+    return jax.lax.associative_scan(combine, (jnp.broadcast_to(decay, u.shape), u),
+                                    axis=1)[1]
+
+
+def ssm_case(quick: bool) -> Case:
+    """A state-space LM on ``(b, 64)`` tokens: per layer a diagonal linear recurrence run by
+    ``lax.associative_scan`` (strided slices and pads, no loop), gated by a GELU branch,
+    under ``optax.sgd`` with Nesterov momentum. The scan needs a static length, so only
+    the batch is dynamic."""
+    layers, (b, s) = (1, (2, 16)) if quick else (3, (16, 64))
+    shapes = {"emb": (VOCAB, D), "layers": [
+        {"decay": (D,), "in": (D, D), "gate": (D, D), "out": (D, D), "g": (D,), "b": (D,)}
+        for _ in range(layers)]}
+    params = _normal(shapes, 3)
+    opt = optax.sgd(1e-2, momentum=0.9, nesterov=True)
+
+    def loss(p: Any, tokens: jax.Array) -> jax.Array:
+        x = p["emb"][tokens]
+        for lp in p["layers"]:
+            h = _layer_norm(x, lp["g"], lp["b"])
+            states = _linear_recurrence(jax.nn.sigmoid(lp["decay"]), h @ lp["in"])
+            x = x + (states * jax.nn.gelu(h @ lp["gate"])) @ lp["out"]
+        return _lm_loss(x, p["emb"], tokens)
+
+    return Case(optax_step(loss, opt), (params, opt.init(params)), (_tokens((b, s)),),
+                (None, f"b, {s}"), (f"b <= {b}",))
+
+
 def _lm_loss_logits(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, jnp.roll(tokens, -1, 1)).mean()
@@ -300,4 +338,4 @@ def _lm_loss_logits(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 #: name -> builder of the program's case (``quick``: CI-sized)
 CASES: dict[str, Callable[[bool], Case]] = {
     "accum": accum_case, "cnn": cnn_case, "encdec": encdec_case, "moe": moe_case,
-    "remat-scan": remat_scan_case, "vit": vit_case}
+    "remat-scan": remat_scan_case, "ssm": ssm_case, "vit": vit_case}
