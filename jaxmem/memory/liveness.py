@@ -22,8 +22,8 @@ import jax
 import sympy
 
 from jaxmem.graph import Graph
+from jaxmem.memory.epilogues import epilogue_broadcasts
 from jaxmem.memory.fusion import (
-    epilogue_broadcasts,
     is_head_split,
     materialised,
     transposed_copies,
@@ -154,7 +154,8 @@ def _only_copied(graph: Graph, owner: dict[int, int], used: Sequence[bool],
 
 def _readers(graph: Graph, owner: dict[int, int], used: Sequence[bool], s: int) -> set[int]:
     """The live ops that read buffer ``s``: through its views and the values fused from it
-    (a walk forward from ``s``, not over the whole graph: a tenth of a model's liveness)."""
+    (a walk forward from ``s``: the pass over every node's inputs it replaces was a sixth
+    of a 22-layer model's liveness)."""
     nodes, consumers = graph.nodes, graph.consumers
     found: set[int] = set()
     seen, frontier = {s}, [s]

@@ -310,6 +310,8 @@ def _bodies(graph: Graph, order: Sequence[int], dom: ShapeDomain,
         if not node.subgraphs:
             continue
         models = [_inner(g, dom, symbolic, backend) for g in node.subgraphs]
+        # ``max_expr``, not ``sympy.Max``: sympy re-simplified a body's own ``Max`` by
+        # pairwise comparisons, a third of a scanned step's plan derivation.
         if len(models) > 1 and node.primitive == "cond":
             out[p] = _Body(max_expr([m.temp_bytes for m in models]))
             continue
