@@ -227,9 +227,10 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
             reads.add((ni, v.id))
             span = spans.setdefault(v.id, [min(copy_start(graph, pos, v.id, p), p), p])
             span[1] = p
-    # A view's copy has the bytes of the buffer it views (float32 when widened).
-    return [Extra(v, size(v if owner.get(v, v) == -1 else owner.get(v, v)), a, b,
-                  "transposed copy")
+    # A view's copy has the bytes of the buffer it views (float32 when widened); a fused
+    # operand's, its own.
+    buffer = {v: owner.get(v, v) for v in spans}
+    return [Extra(v, size(v if buffer[v] == -1 else buffer[v]), a, b, "transposed copy")
             for v, (a, b) in spans.items()]
 
 
