@@ -36,6 +36,9 @@ def test_objects_someone_else_froze_stay_frozen() -> None:
         frozen = gc.get_freeze_count()
         with gc_paused():
             pass
-        assert gc.get_freeze_count() == frozen
+        # Unfreezing would empty the permanent generation; a frozen object freed meanwhile
+        # (its last reference dropped, by another thread too) lowers the count by one (CI
+        # saw 1171589 -> 1171587), so equality was flaky.
+        assert gc.get_freeze_count() > frozen // 2
     finally:
         gc.unfreeze()
