@@ -137,3 +137,33 @@ def test_a_held_bf16_dot_result_is_float32_only_where_xla_keeps_it(fn) -> None:
     dom = ShapeDomain.from_constraints((), ())
     pred = int(memory_model(g, dom, backend="cpu").peak_bytes)
     assert abs(pred - xla) / xla <= 0.10, (pred, xla)
+
+
+
+def _residual_stream(ws, h):
+    """Three bf16 residual adds, each read by a float32 RMSNorm, and their gradients."""
+    def norm(x):
+        x32 = x.astype(F32)
+        return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True))).astype(BF)
+
+    def loss(ws, h):
+        for w in ws:
+            h = h + jnp.tanh(norm(h) @ w)
+        return jnp.sum(h.astype(F32))
+
+    return jax.grad(loss)(ws, h)
+
+
+@cpu_only
+def test_a_bf16_sum_a_norm_reads_in_float32_is_written_in_float32() -> None:
+    # XLA computes the bf16 add in float32 and keeps that result, every reader rounding
+    # it itself: as many float32 add buffers in XLA's executable as in the model.
+    specs = ([S((128, 128), BF)] * 3, S((4, 256, 128), BF))
+    txt = jax.jit(_residual_stream).lower(*specs).compile().as_text()
+    xla_f32_adds = len(re.findall(r"add_fusion[.\d]* = f32\[4,256,128\]", txt))
+    g = build_graph(jax.make_jaxpr(_residual_stream)(*specs))
+    adds = {n.outputs[0] for n in g.nodes
+            if n.primitive == "add" and g.values[n.outputs[0]].dtype == "bfloat16"}
+    wide = [b for b in liveness(g, backend="cpu")
+            if b.value in adds and b.nbytes == 2 * g.values[b.value].nbytes]
+    assert xla_f32_adds >= 2 and len(wide) == xla_f32_adds, (xla_f32_adds, wide)

@@ -14,8 +14,13 @@ float32 result (measured on jax 0.10.2: ``bf16 x bf16 -> bf16`` and every
   fuses into that convert and the float32 buffer replaces it;
 * its result buffer is float32, twice the jaxpr's bytes.
 
+Low-precision arithmetic runs in float32 too, a convert to the low type after it.
+Where a reader converts such a result back to float32 (a norm over a bfloat16
+residual stream), XLA keeps the float32 result as the buffer
+(:func:`arithmetic_in_float32`).
+
 :func:`buffer_sizes` gives the float32 sizes of the buffers replaced or widened,
-:func:`operand_copies` the float32 copies added next to buffers that stay. Other
+:func:`operand_copies` the copies added next to buffers that stay. Other
 backends (GPU, TPU) run bfloat16 dots natively: no rule applies there.
 
 Example:
@@ -42,6 +47,12 @@ from jaxmem.memory.fusion import Extra
 #: dtypes XLA may widen to float32
 LOW_PRECISION = ("bfloat16", "float16")
 F32_ITEMSIZE = 4
+#: element-wise primitives that move or retype values: XLA runs them at low precision
+_NOT_ARITHMETIC = frozenset("""
+convert_element_type convert copy copy_p select_n broadcast_in_dim iota transpose slice
+concatenate pad rev dynamic_slice squeeze expand_dims split tile stop_gradient
+reduce_precision bitcast_convert_type
+""".split())
 
 
 def upcast_dots(graph: Graph, backend: str) -> tuple[int, ...]:
@@ -135,13 +146,56 @@ def _held_narrow(graph: Graph, owner: Mapping[int, int], v: int) -> bool:
             or 0 < len(barriers) < len(readers))
 
 
+def _widened_reader(graph: Graph, owner: Mapping[int, int], r: int | None) -> bool:
+    """Whether reader ``r`` converts to float32 inside its fusion (its result fused)."""
+    if r is None:
+        return False
+    n = graph.nodes[r]
+    return (n.primitive == "convert_element_type" and bool(n.outputs)
+            and graph.values[n.outputs[0]].dtype == "float32"
+            and owner.get(n.outputs[0], n.outputs[0]) != n.outputs[0])
+
+
+def _narrow_reader(graph: Graph, r: int | None) -> bool:
+    """Whether reader ``r`` reads a low-precision buffer, not a convert it can fuse: a
+    program output, a loop, a barrier."""
+    return (r is None or graph.nodes[r].kind == "control"
+            or graph.nodes[r].primitive == "optimization_barrier")
+
+
+def arithmetic_in_float32(graph: Graph, owner: Mapping[int, int], backend: str
+                          ) -> dict[int, list[int | None]]:
+    """Low-precision element-wise results ``backend`` writes in float32 -> their readers.
+
+    XLA's CPU backend computes low-precision arithmetic in float32, a convert to the
+    low type after it. Where a reader converts the result to float32 (a norm's
+    ``x.astype(float32)`` of a bfloat16 residual stream), the float32 result is the
+    buffer, and every reader rounds it itself (measured, jax 0.10.2: the residual adds
+    of a bfloat16 decoder are ``f32`` ``bitcast_add_fusion`` buffers at every shape).
+    A reader that cannot fuse the rounding (see :func:`_narrow_reader`) reads a
+    low-precision copy besides.
+    """
+    if backend != "cpu":
+        return {}
+    out: dict[int, list[int | None]] = {}
+    for n in graph.nodes:
+        if len(n.outputs) != 1 or graph.values[n.outputs[0]].dtype not in LOW_PRECISION:
+            continue
+        v = n.outputs[0]
+        if (n.kind != "elementwise" or n.primitive in _NOT_ARITHMETIC
+                or owner.get(v, v) != v or v in graph.outputs):
+            continue
+        readers = _readers(graph, owner, v)
+        if any(_widened_reader(graph, owner, r) for r in readers):
+            out[v] = readers
+    return out
+
+
 def buffer_sizes(graph: Graph, owner: Mapping[int, int], backend: str) -> dict[int, sympy.Expr]:
     """Buffers ``backend`` keeps in float32 though the jaxpr types them lower: value id ->
     bytes (results of upcast dots, and operands only upcast dots read)."""
     dots = upcast_dots(graph, backend)
-    if not dots:
-        return {}
-    sizes: dict[int, sympy.Expr] = {}
+    sizes = {v: _f32_bytes(graph, v) for v in arithmetic_in_float32(graph, owner, backend)}
     for d in dots:
         w = graph.nodes[d].outputs[0]
         if graph.values[w].dtype in LOW_PRECISION and not _held_narrow(graph, owner, w):
@@ -153,21 +207,37 @@ def buffer_sizes(graph: Graph, owner: Mapping[int, int], backend: str) -> dict[i
     return sizes
 
 
+def _narrow_copies(graph: Graph, owner: Mapping[int, int], backend: str,
+                   pos: Mapping[int, int]) -> list[Extra]:
+    """The low-precision copy of each float32-written arithmetic result that a reader
+    needs narrow, from its producer to the last such reader (the end, for an output)."""
+    out = []
+    for v, readers in arithmetic_in_float32(graph, owner, backend).items():
+        narrow = [len(pos) if r is None else pos[r] for r in readers
+                  if _narrow_reader(graph, r) and (r is None or r in pos)]
+        p = graph.producers[v]
+        if narrow and p in pos:
+            out.append(Extra(v, graph.values[v].nbytes, pos[p], max(narrow),
+                             "low-precision copy"))
+    return out
+
+
 def operand_copies(graph: Graph, order: Sequence[int], owner: Mapping[int, int],
                    backend: str, widened: Mapping[int, sympy.Expr] | None = None
                    ) -> list[Extra]:
     """Float32 copies of low-precision dot operands whose own buffer stays (an argument,
     a buffer other ops read, a dot's result), one per buffer, from the first upcast dot
     reading it to the last; and the float32 result, at its dot only, of each upcast dot
-    whose result is held narrow (not in ``widened``). ``widened``:
+    whose result is held narrow (not in ``widened``); and the low-precision copy of
+    each :func:`arithmetic_in_float32` result a barrier, loop or output reads. ``widened``:
     ``buffer_sizes(graph, owner, backend)``, when the caller has it."""
+    pos = {n: p for p, n in enumerate(order)}
+    out = _narrow_copies(graph, owner, backend, pos)
     dots = upcast_dots(graph, backend)
     if not dots:
-        return []
-    pos = {n: p for p, n in enumerate(order)}
+        return out
     widened = buffer_sizes(graph, owner, backend) if widened is None else widened
     chosen = set(dots)
-    out = []
     for o, readers in _low_operands(graph, owner, dots).items():
         if o in widened and _replaced(graph, owner, o, chosen):
             continue
