@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import jaxmem
+from hlo_passes.timeline import buffer_timeline
 from jaxmem.graph import build_graph
 from jaxmem.memory import memory_model
 from jaxmem.memory.fusion import used_nodes
@@ -77,3 +78,35 @@ def test_dead_code_takes_no_buffer() -> None:
     assert not [b for b in liveness(g) if b.kind == "temp" and b.nbytes == 512 * 512 * 4]
     xla = jaxmem.xla_peak_bytes(jax.jit(f).lower(spec).compile())
     assert int(memory_model(g, STATIC).peak_bytes) == xla
+
+
+
+
+def _cross_entropy_step(layers: int):
+    """Gradients of optax's integer-label cross-entropy after ``layers`` tanh layers."""
+    def step(ws, x, labels):
+        def loss(ws):
+            h = x
+            for w in ws:
+                h = jnp.tanh(h @ w)
+            return optax.softmax_cross_entropy_with_integer_labels(h, labels).mean()
+        return jax.grad(loss)(ws)
+
+    args = ([S((512, 512), jnp.float32)] * layers, S((2048, 512), jnp.float32),
+            S((2048,), jnp.int32))
+    return step, args
+
+
+@cpu_only
+def test_a_scatter_into_zeros_added_to_a_gradient_runs_at_the_add() -> None:
+    # The label term's gradient scatters -1 into zeros and is added to the softmax's.
+    # It needs only the labels, so a plain BFS would run it first and hold a logits-sized
+    # buffer through the forward pass; XLA scatters into the softmax gradient instead.
+    step, args = _cross_entropy_step(4)
+    t = buffer_timeline(jax.jit(step).lower(*args).compile())
+    starts = {b.name: b.start for b in t.buffers}
+    assert starts["wrapped_scatter"] > max(v for k, v in starts.items() if "tanh" in k)
+    g = build_graph(jax.make_jaxpr(step)(*args))
+    pos = {n: p for p, n in enumerate(xla_order(g, "cpu"))}
+    scatter = next(n.index for n in g.nodes if n.primitive == "scatter-add")
+    assert pos[scatter] > max(pos[n.index] for n in g.nodes if n.primitive == "tanh")

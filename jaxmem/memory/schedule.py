@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import collections
 
-from jaxmem.graph import Graph
+from jaxmem.graph import Graph, Node
 from jaxmem.memory.fusion import materialised, used_nodes
 
 #: backends whose XLA schedules breadth-first when the order is left to it
@@ -98,6 +98,8 @@ def _joins_consumer(graph: Graph, owner: dict[int, int], used: list[bool]) -> li
             out.append(False)
         elif node.kind != "control" and not node.subgraphs and constant.issuperset(node.inputs):
             out.append(True)  # folded
+        elif _added_scatter(graph, node):
+            out.append(True)
         else:
             outs = node.outputs
             if len(outs) == 1:  # most nodes: no generator for one output
@@ -105,6 +107,17 @@ def _joins_consumer(graph: Graph, owner: dict[int, int], used: list[bool]) -> li
             else:
                 out.append(bool(outs) and all(owner.get(o, o) == -1 for o in outs))
     return out
+
+
+def _added_scatter(graph: Graph, node: Node) -> bool:
+    """Whether ``node`` scatters into zeros only to be added to: XLA's simplifier scatters
+    into the other summand instead (the cross-entropy gradient's ``-1`` at the labels,
+    which needs only the labels and would otherwise run first and live throughout)."""
+    if node.primitive != "scatter-add" or node.inputs[0] not in graph.constant:
+        return False
+    readers = graph.consumers.get(node.outputs[0], ())
+    return bool(readers) and all(graph.nodes[r].primitive in ("add", "add_any")
+                                 for r in readers)
 
 
 def _instruction_operands(graph: Graph, fused: list[bool]
