@@ -43,12 +43,16 @@ def test_rank_mismatch(f):
 
 
 def test_dim_below_range(f):
-    with pytest.raises(jaxmem.ShapeOutOfRangeError, match=r"b=1 is below its lower bound 2"):
+    with pytest.raises(jaxmem.ShapeOutOfRangeError,
+                       match=r"b=1 is below its lower bound 2 \(b is the size of "
+                             r"args\[1\] axis 0\)"):
         f(W, jnp.ones((1, 8)))
 
 
 def test_dim_above_range(f):
-    with pytest.raises(jaxmem.ShapeOutOfRangeError, match=r"b=65 is above its upper bound 64"):
+    with pytest.raises(jaxmem.ShapeOutOfRangeError,
+                       match=r"b=65 is above its upper bound 64 \(b is the size of "
+                             r"args\[1\] axis 0\)"):
         f(W, jnp.ones((65, 8)))
 
 

@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ def bind_dims(analysis: Analysis, dynamic: Sequence[Any]) -> dict[str, int]:
         raise ShapeOutOfRangeError(f"expected {len(analysis.flat_specs)} array leaves, got "
                                    f"{len(flat)}")
     dims: dict[str, int] = {}
+    source: dict[str, str] = {}  # dim -> the argument axis it was read from
     pending: list[tuple[str, int, Any, int]] = []
     for path, spec, x in zip(analysis.paths, analysis.flat_specs, flat, strict=True):
         shape = tuple(getattr(x, "shape", ()))
@@ -54,6 +56,7 @@ def bind_dims(analysis: Analysis, dynamic: Sequence[Any]) -> dict[str, int]:
                         f"dimension {name} is {dims[name]} in one argument but {v} in {path} "
                         f"axis {axis}")
                 dims[name] = int(v)
+                source.setdefault(name, f"{path} axis {axis}")
             else:
                 pending.append((path, axis, d, int(v)))
     for path, axis, d, v in pending:
@@ -65,6 +68,7 @@ def bind_dims(analysis: Analysis, dynamic: Sequence[Any]) -> dict[str, int]:
                 raise ShapeOutOfRangeError(f"{path} axis {axis} is {v}, which no integer value of "
                                            f"{unknown[0]} makes equal to {d}")
             dims[str(unknown[0])] = int(sol[0])
+            source.setdefault(str(unknown[0]), f"{path} axis {axis}")
         got = int(expr.subs({sym(k): val for k, val in dims.items()}))
         if got != v:
             raise ShapeOutOfRangeError(f"{path} axis {axis} is {v}, but its declared dim {d} is "
@@ -74,7 +78,9 @@ def bind_dims(analysis: Analysis, dynamic: Sequence[Any]) -> dict[str, int]:
         raise JaxmemError(f"dims {missing} could not be read from the argument shapes")
     problem = analysis.domain.contains(dims)
     if problem:
-        raise ShapeOutOfRangeError(problem)
+        named = [f"{k} is the size of {path_axis}" for k, path_axis in source.items()
+                 if re.search(rf"\b{re.escape(k)}\b", problem)]
+        raise ShapeOutOfRangeError(f"{problem} ({'; '.join(named)})" if named else problem)
     return dims
 
 
