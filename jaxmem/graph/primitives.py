@@ -19,7 +19,7 @@ imag integer_pow is_finite le lgamma digamma log log1p logistic lt max min mul n
 nextafter not or population_count pow real reduce_precision rem round rsqrt select_n
 shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient
 sub tan tanh xor broadcast_in_dim iota transpose slice concatenate pad rev dynamic_slice
-squeeze expand_dims random_bits random_wrap random_unwrap random_seed threefry2x32
+squeeze expand_dims random_wrap random_unwrap random_seed threefry2x32
 clz conj complex real imag select_and_gather_add polygamma igamma igammac bessel_i0e
 bessel_i1e zeta regularized_incomplete_beta random_fold_in random_split convert split
 one_minus_square tile
@@ -31,7 +31,7 @@ one_minus_square tile
 EXPENSIVE = frozenset("""
 acos acosh asin asinh atan atan2 atanh cbrt cos cosh div erf erf_inv erfc exp exp2 expm1
 lgamma digamma log log1p logistic pow rem rsqrt sin sinh sqrt tan tanh polygamma igamma
-igammac bessel_i0e bessel_i1e zeta regularized_incomplete_beta random_bits threefry2x32
+igammac bessel_i0e bessel_i1e zeta regularized_incomplete_beta threefry2x32
 random_fold_in random_split random_seed
 """.split())
 VIEW = frozenset("reshape name bitcast_convert_type optimization_barrier".split())
@@ -44,7 +44,7 @@ OPAQUE = frozenset("""
 dot_general conv_general_dilated sort gather cumsum cumprod cummax cummin cumlogsumexp
 reduce_window reduce_window_sum reduce_window_max reduce_window_min select_and_scatter_add
 rng_bit_generator rng_uniform fft cholesky triangular_solve lu qr svd eigh eig custom_call
-argsort top_k dim_as_value all_reduce psum all_gather reduce_scatter ppermute all_to_all
+argsort top_k random_bits dim_as_value all_reduce psum all_gather reduce_scatter ppermute all_to_all
 approx_top_k tridiagonal_solve householder_product schur platform_index sharding_constraint
 device_put mesh_cast reshard
 """.split())

@@ -24,12 +24,14 @@ import sympy
 from jaxmem.graph import Graph
 from jaxmem.memory.epilogues import epilogue_broadcasts
 from jaxmem.memory.fusion import (
+    Extra,
     is_head_split,
     materialised,
     transposed_copies,
     used_nodes,
 )
 from jaxmem.memory.precision import buffer_sizes, operand_copies
+from jaxmem.memory.random_bits import random_bits_counters, random_bits_sizes
 from jaxmem.memory.windows import conv_copies, window_broadcasts
 from jaxmem.memory.ynn import row_fused_sizes, row_fusion_extras, row_fusions
 
@@ -83,21 +85,13 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     owner = materialised(graph) if owner is None else owner
     used = used_nodes(graph) if used is None else used
     widened, fusions = buffer_sizes(graph, owner, backend), row_fusions(graph, used, backend)
-    sizes = {**widened, **row_fused_sizes(graph, owner, widened, backend, fusions)}
+    sizes = {**widened, **row_fused_sizes(graph, owner, widened, backend, fusions),
+             **random_bits_sizes(graph, backend)}
     size = lambda v: sizes.get(v, graph.values[v].nbytes)  # noqa: E731
     srcs = _buffer_sources(graph, owner)
     copied: set[tuple[int, int]] = set()
     copies = transposed_copies(graph, order, owner, size, copied, used)
-    pos = {n: p for p, n in enumerate(order)}
-    prods = graph.producers
-    early = {x.value for x in copies  # copies made as soon as their operand is written
-             if x.value in prods and x.start == pos[prods[x.value]] + 1
-             and graph.nodes[prods[x.value]].primitive != "concatenate"}
-    # A copy of heads split off a projection reads the projection's buffer.
-    base = {v: graph.nodes[prods[v]].inputs[0] for v in early
-            if is_head_split(graph, graph.nodes[prods[v]])}
-    copied = _only_copied(graph, owner, used,
-                          {(ni, base.get(v, v)) for ni, v in copied if v in early})
+    base, copied = _copied_early(graph, order, owner, used, copies, copied)
     first_def, last_use = _definitions_and_uses(graph, order, owner, srcs, used, copied)
     for x in copies:  # a copied operand is read when its copy is made
         v = base.get(x.value, x.value)
@@ -113,9 +107,27 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
               *operand_copies(graph, order, owner, backend, widened),
               *conv_copies(graph, order, size),
               *window_broadcasts(graph, order, used, backend),
+              *random_bits_counters(graph, order, backend),
               *row_fusion_extras(graph, order, used, backend, fusions)):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
     return tuple(buffers)
+
+
+def _copied_early(graph: Graph, order: Sequence[int], owner: dict[int, int],
+                  used: list[bool], copies: Sequence[Extra], copied: set[tuple[int, int]]
+                  ) -> tuple[dict[int, int], set[tuple[int, int]]]:
+    """For the transposed copies made as soon as their operand is written: the buffer
+    each copy reads (a copy of heads split off a projection reads the projection's), and
+    the ``(dot, operand)`` reads of operands only those copies read (:func:`_only_copied`)."""
+    pos = {n: p for p, n in enumerate(order)}
+    prods = graph.producers
+    early = {x.value for x in copies
+             if x.value in prods and x.start == pos[prods[x.value]] + 1
+             and graph.nodes[prods[x.value]].primitive != "concatenate"}
+    base = {v: graph.nodes[prods[v]].inputs[0] for v in early
+            if is_head_split(graph, graph.nodes[prods[v]])}
+    return base, _only_copied(graph, owner, used,
+                              {(ni, base.get(v, v)) for ni, v in copied if v in early})
 
 
 def _buffer_sources(graph: Graph, owner: dict[int, int]) -> Callable[[int], frozenset[int]]:
