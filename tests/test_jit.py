@@ -147,6 +147,20 @@ def test_plan_for_contract(step: jaxmem.Jitted, state: tuple):
     assert_tree_close(plan.compiled(state, x), step(state, x))
 
 
+def test_describe_says_when_the_programs_own_checkpoint_recomputes():
+    def loss(w, x):
+        layer = jax.checkpoint(lambda h: jnp.tanh(h @ w))
+        return layer(layer(x)).sum()
+
+    w, x = jnp.full((16, 16), 0.1), jnp.ones((8, 16))
+    own = jaxmem.jit(jax.grad(loss), polymorphic_shapes=(None, "b, 16"),
+                     constraints=("b <= 64",))
+    plain = jaxmem.jit(jax.grad(lambda w, x: jnp.tanh(x @ w).sum()),
+                       polymorphic_shapes=(None, "b, 16"), constraints=("b <= 64",))
+    assert "beyond the program's own jax.checkpoint" in own.plan_for(w, x).describe()
+    assert "recompute nothing\n" in plain.plan_for(w, x).describe()
+
+
 def test_decorator_form_with_budget():
     @jaxmem.jit(polymorphic_shapes=(None, "b, 4"), constraints=("b <= 64",),
                 budget_bytes=1 << 30)

@@ -41,6 +41,9 @@ class Plan:
         offload_planned: whether offload was considered at all (it is not on CPU).
         selection: the record of every level the selection looked at (None for a plan
             compiled directly with ``Jitted.compile_level``).
+        own_remat: whether the traced program has its own recomputation (a
+            ``jax.checkpoint``, lowered behind an optimization barrier), which every
+            level keeps.
     """
 
     dims: dict[str, int]
@@ -59,6 +62,7 @@ class Plan:
     offload: tuple[str, ...] = ()
     offload_planned: bool = False
     selection: Selection | None = dataclasses.field(default=None, repr=False, compare=False)
+    own_remat: bool = False
 
     def run(self, *args: Any) -> Any:
         """Runs the compiled executable on the full positional arguments."""
@@ -80,7 +84,9 @@ class Plan:
         if self.guard:
             lines.append(f"  why: {self.guard}")
         if not self.recompute and not self.offload:
-            lines.append("  recompute nothing")
+            lines.append("  recompute nothing" + (
+                " beyond the program's own jax.checkpoint, kept as written"
+                if self.own_remat else ""))
         for g in self.recompute:
             lines.append(f"  recompute {g}")
         for g in self.saved:
@@ -111,7 +117,9 @@ def make_plan(analysis: Analysis, exe: Executable, dims: dict[str, int],
     return Plan(dict(dims), exe.level, len(analysis.plans.levels), level.recompute, saved,
                 exe.predicted_peak_bytes, exe.peak_bytes, budget_bytes, exe.compiled,
                 exe.order_enforced, static_argnums, why, exe.microbatches, level.offload,
-                analysis.offload_planned, selection)
+                analysis.offload_planned, selection,
+                own_remat=any(n.primitive == "optimization_barrier"
+                              for n in analysis.plans.levels[0].graph.nodes))
 
 
 def infeasible(analysis: Analysis, selection: Selection, dims: dict[str, int]
