@@ -78,7 +78,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     Returns:
         One :class:`Buffer` per materialised value, then the buffers XLA adds
         (transposed dot operands, broadcast epilogue operands, float32 copies of
-        low-precision dot operands).
+        low-precision dot operands, a random-bits loop's counters).
     """
     order = list(range(len(graph.nodes))) if order is None else list(order)
     backend = backend or jax.default_backend()

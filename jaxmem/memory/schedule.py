@@ -89,8 +89,9 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
 
 def _joins_consumer(graph: Graph, owner: dict[int, int], used: list[bool]) -> list[bool]:
     """Per node, whether it runs with its first consumer rather than as an instruction of
-    its own: a fused value, or one computed from constants alone (a broadcast zero, an
-    iota), which XLA folds into its consumer (a scatter into zeros becomes a ``pad``)."""
+    its own: a fused value, one computed from constants alone (a broadcast zero, an
+    iota), which XLA folds into its consumer (a scatter into zeros becomes a ``pad``),
+    or a scatter into zeros only added to (:func:`_added_scatter`)."""
     constant = graph.constant
     out = []
     for i, node in enumerate(graph.nodes):
