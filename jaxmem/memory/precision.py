@@ -185,6 +185,9 @@ def arithmetic_in_float32(graph: Graph, owner: Mapping[int, int], backend: str
         if (n.kind != "elementwise" or n.primitive in _NOT_ARITHMETIC
                 or owner.get(v, v) != v or v in graph.outputs):
             continue
+        direct = [graph.nodes[c] for c in graph.consumers.get(v, ())]
+        if not any(c.primitive == "convert_element_type" or c.kind == "view" for c in direct):
+            continue  # no float32 reader, directly or through a view: skip the walk
         readers = _readers(graph, owner, v)
         if any(_widened_reader(graph, owner, r) for r in readers):
             out[v] = readers
@@ -207,16 +210,19 @@ def buffer_sizes(graph: Graph, owner: Mapping[int, int], backend: str) -> dict[i
     return sizes
 
 
-def _narrow_copies(graph: Graph, owner: Mapping[int, int], backend: str,
-                   pos: Mapping[int, int]) -> list[Extra]:
-    """The low-precision copy of each float32-written arithmetic result that a reader
-    needs narrow, from its producer to the last such reader (the end, for an output)."""
+def _narrow_copies(graph: Graph, owner: Mapping[int, int], pos: Mapping[int, int],
+                   widened: Mapping[int, sympy.Expr]) -> list[Extra]:
+    """The low-precision copy of each float32-written arithmetic result (in ``widened``,
+    :func:`buffer_sizes`) that a reader needs narrow, from its producer to the last such
+    reader (the end, for an output)."""
     out = []
-    for v, readers in arithmetic_in_float32(graph, owner, backend).items():
-        narrow = [len(pos) if r is None else pos[r] for r in readers
+    for v in widened:
+        p = graph.producers.get(v)
+        if p is None or p not in pos or graph.nodes[p].kind != "elementwise":
+            continue  # a dot's result: held narrow by its own rule
+        narrow = [len(pos) if r is None else pos[r] for r in _readers(graph, owner, v)
                   if _narrow_reader(graph, r) and (r is None or r in pos)]
-        p = graph.producers[v]
-        if narrow and p in pos:
+        if narrow:
             out.append(Extra(v, graph.values[v].nbytes, pos[p], max(narrow),
                              "low-precision copy"))
     return out
@@ -232,11 +238,11 @@ def operand_copies(graph: Graph, order: Sequence[int], owner: Mapping[int, int],
     each :func:`arithmetic_in_float32` result a barrier, loop or output reads. ``widened``:
     ``buffer_sizes(graph, owner, backend)``, when the caller has it."""
     pos = {n: p for p, n in enumerate(order)}
-    out = _narrow_copies(graph, owner, backend, pos)
+    widened = buffer_sizes(graph, owner, backend) if widened is None else widened
+    out = _narrow_copies(graph, owner, pos, widened)
     dots = upcast_dots(graph, backend)
     if not dots:
         return out
-    widened = buffer_sizes(graph, owner, backend) if widened is None else widened
     chosen = set(dots)
     for o, readers in _low_operands(graph, owner, dots).items():
         if o in widened and _replaced(graph, owner, o, chosen):
