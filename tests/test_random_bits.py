@@ -48,5 +48,7 @@ def test_two_words_per_element_on_cpu_only() -> None:
     (v, nbytes), = random_bits_sizes(g, "cpu").items()
     assert nbytes == 2 * 4 * 16 * 32 and g.nodes[g.producers[v]].primitive == "random_bits"
     order = list(range(len(g.nodes)))
-    assert [x.nbytes for x in random_bits_counters(g, order, "cpu")] == [nbytes]
-    assert random_bits_sizes(g, "gpu") == {} and random_bits_counters(g, order, "gpu") == []
+    assert [x.nbytes for x in random_bits_counters(g, order, random_bits_sizes(g, "cpu"))
+            ] == [nbytes]
+    assert random_bits_sizes(g, "gpu") == {} and random_bits_counters(
+        g, order, random_bits_sizes(g, "gpu")) == []

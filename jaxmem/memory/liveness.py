@@ -85,8 +85,8 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     owner = materialised(graph) if owner is None else owner
     used = used_nodes(graph) if used is None else used
     widened, fusions = buffer_sizes(graph, owner, backend), row_fusions(graph, used, backend)
-    sizes = {**widened, **row_fused_sizes(graph, owner, widened, backend, fusions),
-             **random_bits_sizes(graph, backend)}
+    bits = random_bits_sizes(graph, backend)
+    sizes = {**widened, **row_fused_sizes(graph, owner, widened, backend, fusions), **bits}
     size = lambda v: sizes.get(v, graph.values[v].nbytes)  # noqa: E731
     srcs = _buffer_sources(graph, owner)
     copied: set[tuple[int, int]] = set()
@@ -107,7 +107,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
               *operand_copies(graph, order, owner, backend, widened),
               *conv_copies(graph, order, size),
               *window_broadcasts(graph, order, used, backend),
-              *random_bits_counters(graph, order, backend),
+              *random_bits_counters(graph, order, bits),
               *row_fusion_extras(graph, order, used, backend, fusions)):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
     return tuple(buffers)

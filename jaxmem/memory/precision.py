@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 import sympy
 
 from jaxmem.graph import Graph
-from jaxmem.memory.fusion import Extra
+from jaxmem.memory.fusion import Extra, element_count
 
 #: dtypes XLA may widen to float32
 LOW_PRECISION = ("bfloat16", "float16")
@@ -77,8 +77,7 @@ def upcast_dots(graph: Graph, backend: str) -> tuple[int, ...]:
 
 
 def _f32_bytes(graph: Graph, v: int) -> sympy.Expr:
-    shape = graph.values[v].shape
-    return sympy.expand(sympy.Mul(*shape) * F32_ITEMSIZE) if shape else sympy.Integer(4)
+    return sympy.expand(element_count(graph, v) * F32_ITEMSIZE)
 
 
 def _readers(graph: Graph, owner: Mapping[int, int], v: int) -> list[int | None]:
@@ -237,12 +236,12 @@ def operand_copies(graph: Graph, order: Sequence[int], owner: Mapping[int, int],
     whose result is held narrow (not in ``widened``); and the low-precision copy of
     each :func:`arithmetic_in_float32` result a barrier, loop or output reads. ``widened``:
     ``buffer_sizes(graph, owner, backend)``, when the caller has it."""
-    pos = {n: p for p, n in enumerate(order)}
     widened = buffer_sizes(graph, owner, backend) if widened is None else widened
-    out = _narrow_copies(graph, owner, pos, widened)
     dots = upcast_dots(graph, backend)
-    if not dots:
-        return out
+    if not dots and not widened:  # a float32 program: no pass over the order
+        return []
+    pos = {n: p for p, n in enumerate(order)}
+    out = _narrow_copies(graph, owner, pos, widened)
     chosen = set(dots)
     for o, readers in _low_operands(graph, owner, dots).items():
         if o in widened and _replaced(graph, owner, o, chosen):

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 import sympy
 
 from jaxmem.graph import Graph
-from jaxmem.memory.fusion import Extra
+from jaxmem.memory.fusion import Extra, element_count
 
 #: bytes of one threefry word
 WORD_BYTES = 4
@@ -34,29 +34,24 @@ WORD_BYTES = 4
 
 def _words_bytes(graph: Graph, v: int) -> sympy.Expr:
     """Bytes of one word array for bits ``v``: a 32-bit word per element, two for 64."""
-    val = graph.values[v]
-    per = 2 if val.dtype.endswith("64") else 1
-    return sympy.expand(sympy.Mul(*val.shape) * WORD_BYTES * per)
-
-
-def _bits(graph: Graph, backend: str) -> list[int]:
-    if backend != "cpu":
-        return []
-    return [n.outputs[0] for n in graph.nodes if n.primitive == "random_bits" and n.outputs]
+    per = 2 if graph.values[v].dtype.endswith("64") else 1
+    return sympy.expand(element_count(graph, v) * WORD_BYTES * per)
 
 
 def random_bits_sizes(graph: Graph, backend: str) -> dict[int, sympy.Expr]:
     """Value id -> bytes of each ``random_bits`` result: the loop's two word arrays."""
-    return {v: 2 * _words_bytes(graph, v) for v in _bits(graph, backend)}
+    if backend != "cpu":
+        return {}
+    return {n.outputs[0]: 2 * _words_bytes(graph, n.outputs[0]) for n in graph.nodes
+            if n.primitive == "random_bits" and n.outputs}
 
 
-def random_bits_counters(graph: Graph, order: Sequence[int], backend: str) -> list[Extra]:
-    """The two counter arrays each ``random_bits`` loop reads, live while it runs."""
-    pos: Mapping[int, int] = {n: p for p, n in enumerate(order)}
-    out = []
-    for v in _bits(graph, backend):
-        p = graph.producers[v]
-        if p in pos:
-            out.append(Extra(v, 2 * _words_bytes(graph, v), pos[p], pos[p],
-                             "threefry counters"))
-    return out
+def random_bits_counters(graph: Graph, order: Sequence[int],
+                         bits: Mapping[int, sympy.Expr]) -> list[Extra]:
+    """The two counter arrays each ``random_bits`` loop reads, live while it runs (as
+    many bytes as its two results). ``bits``: :func:`random_bits_sizes`."""
+    if not bits:
+        return []
+    pos = {n: p for p, n in enumerate(order)}
+    return [Extra(v, nbytes, pos[p], pos[p], "threefry counters")
+            for v, nbytes in bits.items() if (p := graph.producers[v]) in pos]
