@@ -186,33 +186,20 @@ def _canonical_dot_operands(dims: tuple, ranks: tuple[int, int]) -> tuple[bool, 
     return lhs_ok, rhs_ok
 
 
-def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
-                      size: Callable[[int], sympy.Expr] | None = None,
-                      reads: set[tuple[int, int]] | None = None,
-                      used: Sequence[bool] | None = None) -> list[Extra]:
-    """Copies of dot operands XLA has to transpose (see ``_canonical_dot_operands``).
-
-    In a train step these are transposed activations for the weight-gradient
-    dots, which raise XLA's peak at large shapes. One copy per operand, shared
-    until the last dot that needs it (XLA's CSE), made when XLA's breadth-first
-    CPU scheduler makes it (:func:`copy_start`). ``size``: a value's buffer
-    bytes where they differ from the jaxpr's (float32 buffers of low-precision
-    values, :mod:`jaxmem.memory.precision`). ``reads``, when given, gets each
-    ``(dot node, operand)`` read through a copy (the dot does not read the original).
-    ``used``: ``used_nodes(graph)``; a dead dot (XLA removes it) copies nothing.
-    """
-    reads = set() if reads is None else reads
-    size = size or (lambda v: graph.values[v].nbytes)
-    spans: dict[int, list[int]] = {}
-    pos = {n: p for p, n in enumerate(order)}
-    for p, ni in enumerate(order):
-        node = graph.nodes[ni]
+def dot_copies(graph: Graph, owner: dict[int, int], used: Sequence[bool] | None = None
+               ) -> list[tuple[int, int]]:
+    """The ``(dot node, operand)`` pairs XLA reads through a transposed copy (see
+    ``_canonical_dot_operands``), dots in program order; a dead dot (``used``: XLA
+    removes it) reads none. The operand is seen through a transpose folded into the dot.
+    A matrix (two dims once the size-1 ones go) is read transposed in place: an MLP's
+    ``[b, d]`` weight-gradient operands get no copy (measured, jax 0.10.2), where a
+    ``[b, s, d]`` one, whose two contracting dims XLA merges first, does."""
+    pairs = []
+    for ni, node in enumerate(graph.nodes):
         if node.primitive != "dot_general" or (used is not None and not used[ni]):
             continue
         params = dict(node.params)
-        if "dimension_numbers" not in params:
-            continue
-        if len(node.inputs) != 2:
+        if "dimension_numbers" not in params or len(node.inputs) != 2:
             continue
         (lc, rc), (lb, rb) = params["dimension_numbers"]
         lhs, lc, lb = _through_transpose(graph, owner, node.inputs[0], lc, lb)
@@ -221,12 +208,38 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
         (lc, lb, lr), (rc, rb, rr) = (_without_unit_dims(vals[0].shape, lc, lb),
                                       _without_unit_dims(vals[1].shape, rc, rb))
         ok = _canonical_dot_operands(((lc, rc), (lb, rb)), (lr, rr))
-        for v, fine in zip(vals, ok, strict=True):
-            if fine or len(v.shape) < 2:
-                continue
-            reads.add((ni, v.id))
-            span = spans.setdefault(v.id, [min(copy_start(graph, pos, v.id, p), p), p])
-            span[1] = p
+        pairs.extend((ni, v.id) for v, fine, rank in zip(vals, ok, (lr, rr), strict=True)
+                     if not fine and rank >= 3)
+    return pairs
+
+
+def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
+                      size: Callable[[int], sympy.Expr] | None = None,
+                      reads: set[tuple[int, int]] | None = None,
+                      used: Sequence[bool] | None = None,
+                      pairs: Sequence[tuple[int, int]] | None = None) -> list[Extra]:
+    """Copies of dot operands XLA has to transpose (:func:`dot_copies`).
+
+    In a train step these are transposed activations for the weight-gradient
+    dots, which raise XLA's peak at large shapes. One copy per operand, shared
+    until the last dot that needs it (XLA's CSE), made when XLA's breadth-first
+    CPU scheduler makes it (:func:`copy_start`). ``size``: a value's buffer
+    bytes where they differ from the jaxpr's (float32 buffers of low-precision
+    values, :mod:`jaxmem.memory.precision`). ``reads``, when given, gets each
+    ``(dot node, operand)`` read through a copy (the dot does not read the original).
+    ``used``: ``used_nodes(graph)``; ``pairs``: ``dot_copies(graph, owner, used)``,
+    when the caller has them.
+    """
+    reads = set() if reads is None else reads
+    size = size or (lambda v: graph.values[v].nbytes)
+    pairs = dot_copies(graph, owner, used) if pairs is None else pairs
+    spans: dict[int, list[int]] = {}
+    pos = {n: p for p, n in enumerate(order)}
+    for ni, v in sorted(pairs, key=lambda nv: pos[nv[0]]):
+        p = pos[ni]
+        reads.add((ni, v))
+        span = spans.setdefault(v, [min(copy_start(graph, pos, v, p), p), p])
+        span[1] = p
     # A view's copy has the bytes of the buffer it views (float32 when widened); a fused
     # operand's, its own.
     buffer = {v: owner.get(v, v) for v in spans}

@@ -60,7 +60,8 @@ class Buffer:
 
 def liveness(graph: Graph, order: Sequence[int] | None = None,
              backend: str | None = None, owner: dict[int, int] | None = None,
-             used: list[bool] | None = None) -> tuple[Buffer, ...]:
+             used: list[bool] | None = None,
+             pairs: Sequence[tuple[int, int]] | None = None) -> tuple[Buffer, ...]:
     """Buffers and their live ranges when the graph runs in ``order``.
 
     Args:
@@ -71,6 +72,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
             (:mod:`jaxmem.memory.precision`).
         owner: ``materialised(graph)``, when the caller has it.
         used: ``used_nodes(graph)``, when the caller has it.
+        pairs: ``dot_copies(graph, owner, used)``, when the caller has them.
 
     Donation changes no live range (an argument lives for the whole run either way);
     :func:`jaxmem.memory.model.memory_model` subtracts the aliased bytes.
@@ -90,7 +92,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     size = lambda v: sizes.get(v, graph.values[v].nbytes)  # noqa: E731
     srcs = _buffer_sources(graph, owner)
     copied: set[tuple[int, int]] = set()
-    copies = transposed_copies(graph, order, owner, size, copied, used)
+    copies = transposed_copies(graph, order, owner, size, copied, used, pairs)
     base, copied = _copied_early(graph, order, owner, used, copies, copied)
     first_def, last_use = _definitions_and_uses(graph, order, owner, srcs, used, copied)
     for x in copies:  # a copied operand is read when its copy is made

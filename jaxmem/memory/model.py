@@ -47,9 +47,10 @@ from jaxmem.fastexpr import pairs_at
 from jaxmem.graph import Graph, scan_counts
 from jaxmem.memory.assign import assignment_peak
 from jaxmem.memory.frontier import candidate_points, max_expr, to_expr
-from jaxmem.memory.fusion import materialised, used_nodes
+from jaxmem.memory.fusion import dot_copies, materialised, used_nodes
 from jaxmem.memory.liveness import Buffer, liveness
 from jaxmem.memory.points import live_table
+from jaxmem.memory.precision import converted_reads
 from jaxmem.memory.schedule import xla_order
 from jaxmem.symbolic import ShapeDomain, sym
 
@@ -255,8 +256,10 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
     # Which values XLA materialises, and which ops are live: once per model, as both the
     # order and the live ranges need them (they were a fifth of a model's time).
     owner, used = materialised(graph), used_nodes(graph)
-    order = xla_order(graph, backend, owner, used) if order is None else list(order)
-    buffers = liveness(graph, order, backend, owner, used)
+    pairs = dot_copies(graph, owner, used)
+    order = list(order) if order is not None else xla_order(
+        graph, backend, owner, used, [*pairs, *converted_reads(graph, owner, backend)])
+    buffers = liveness(graph, order, backend, owner, used, pairs)
     n = len(order)
     tally: collections.Counter[str] = collections.Counter()
     bodies = _bodies(graph, order, dom, symbolic, backend)

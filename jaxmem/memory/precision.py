@@ -76,6 +76,14 @@ def upcast_dots(graph: Graph, backend: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def converted_reads(graph: Graph, owner: Mapping[int, int], backend: str
+                    ) -> list[tuple[int, int]]:
+    """The ``(dot, operand buffer)`` pairs a :func:`upcast_dots` dot reads through a float32
+    convert: instructions of their own in XLA's schedule, as transposed copies are."""
+    return [(d, o) for o, readers in _low_operands(graph, owner, upcast_dots(graph, backend))
+            .items() for d in readers]
+
+
 def _f32_bytes(graph: Graph, v: int) -> sympy.Expr:
     return sympy.expand(element_count(graph, v) * F32_ITEMSIZE)
 
