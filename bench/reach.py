@@ -198,6 +198,11 @@ def measure(case: dict[str, Any], repeats: int, log: Callable[[str], None]) -> d
         "lowest_vs_checkpoint": lowest.peak_bytes / ns_peak,
         "plain_time_vs_checkpoint": time_paired(lambda: plain(*args), lambda: ns(*args),
                                                 repeats)[2],
+        # The other hand policies' times: where none runs >= 1.1x faster than
+        # nothing_saveable, no choice of what to save can meet the halfway target.
+        "checkpoint_time_vs_checkpoint": {
+            k: time_paired(lambda c=c: c(*args), lambda: ns(*args), repeats)[2]
+            for k, c in hand.items() if c is not ns},
     }
     # jaxmem.jit on the user's checkpointed step itself: what it plans on top of the hand
     # policy (inside a scan's backward loop, jaxmem.plan.bodies).
@@ -240,7 +245,9 @@ def _format(row: dict[str, Any]) -> str:
     lines = [f"{row['program']}: {row['levels']} levels, analysis {row['analysis_s']:.1f} s",
              f"  plain {hb(row['plain_peak_bytes'])} (time {row['plain_time_vs_checkpoint']:.2f}"
              " x checkpoint); per-layer checkpoint "
-             + ", ".join(f"{k} {hb(v)}" for k, v in row["checkpoint_peak_bytes"].items()),
+             + ", ".join(f"{k} {hb(v)}" + (f" (time {t:.2f} x)" if (
+                 t := row["checkpoint_time_vs_checkpoint"].get(k)) is not None else "")
+                 for k, v in row["checkpoint_peak_bytes"].items()),
              f"  jaxmem lowest level {row['lowest_level']}: {hb(row['lowest_peak_bytes'])} "
              f"({row['lowest_vs_checkpoint']:.3f} x nothing_saveable; predicted "
              f"{hb(row['lowest_predicted_bytes'])})"]

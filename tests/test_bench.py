@@ -208,6 +208,8 @@ def test_reach_bench_writes_its_figures(tmp_path: Path) -> None:
     (row,) = json.loads(out.read_text())["rows"]
     assert row["lowest_peak_bytes"] <= row["plain_peak_bytes"]
     assert set(row["checkpoint_peak_bytes"]) == {"nothing_saveable", "dots_saveable"}
+    assert set(row["checkpoint_time_vs_checkpoint"]) == {"dots_saveable"}
+    assert row["checkpoint_time_vs_checkpoint"]["dots_saveable"] > 0
     assert row["budgets"]["1.1x checkpoint"]["budget_bytes"] > 0
     # Level 0 of jaxmem on the checkpointed step is that step: never above its peak.
     top = row["on_checkpoint"]
