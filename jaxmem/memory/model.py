@@ -50,7 +50,6 @@ from jaxmem.memory.frontier import candidate_points, max_expr, to_expr
 from jaxmem.memory.fusion import dot_copies, materialised, used_nodes
 from jaxmem.memory.liveness import Buffer, liveness
 from jaxmem.memory.points import live_table
-from jaxmem.memory.precision import converted_reads
 from jaxmem.memory.schedule import xla_order
 from jaxmem.symbolic import ShapeDomain, sym
 
@@ -257,8 +256,7 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
     # order and the live ranges need them (they were a fifth of a model's time).
     owner, used = materialised(graph), used_nodes(graph)
     pairs = dot_copies(graph, owner, used)
-    order = list(order) if order is not None else xla_order(
-        graph, backend, owner, used, [*pairs, *converted_reads(graph, owner, backend)])
+    order = xla_order(graph, backend, owner, used, pairs) if order is None else list(order)
     buffers = liveness(graph, order, backend, owner, used, pairs)
     n = len(order)
     tally: collections.Counter[str] = collections.Counter()

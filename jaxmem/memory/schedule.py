@@ -51,9 +51,7 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
         backend: a JAX platform name.
         owner: ``materialised(graph)``, when the caller has it.
         used: ``used_nodes(graph)``, when the caller has it.
-        pairs: the ``(dot, operand)`` pairs read through a copy XLA makes
-            (:func:`~jaxmem.memory.fusion.dot_copies` and
-            :func:`~jaxmem.memory.precision.converted_reads`), when the caller has them.
+        pairs: ``dot_copies(graph, owner, used)``, when the caller has them.
 
     Returns:
         A permutation of the node indices (program order where the backend's
@@ -66,8 +64,8 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
     used = used_nodes(graph) if used is None else used
     fused = _joins_consumer(graph, owner, used)
     preds, fused_in, through = _instruction_operands(graph, fused)
-    if pairs is None:
-        pairs = [*dot_copies(graph, owner, used), *converted_reads(graph, owner, backend)]
+    pairs = [*(dot_copies(graph, owner, used) if pairs is None else pairs),
+             *converted_reads(graph, owner, backend)]
     preds += _copy_instructions(graph, preds, through, pairs)
     runs = [u and not f for u, f in zip(used, fused, strict=True)] + [True] * (len(preds) - n)
     users: dict[int, list[int]] = collections.defaultdict(list)
