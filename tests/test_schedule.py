@@ -11,12 +11,14 @@ import jaxmem
 from hlo_passes.timeline import buffer_timeline
 from jaxmem.graph import build_graph
 from jaxmem.memory import memory_model
-from jaxmem.memory.fusion import used_nodes
+from jaxmem.memory.fusion import dot_copies, materialised, used_nodes
 from jaxmem.memory.liveness import liveness
+from jaxmem.memory.precision import converted_reads
 from jaxmem.memory.schedule import xla_order
 from jaxmem.symbolic import ShapeDomain
 
 S = jax.ShapeDtypeStruct
+F32 = jnp.float32
 cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU rules")
 STATIC = ShapeDomain.from_constraints((), ())
 
@@ -38,18 +40,34 @@ def _sgd_mlp(b: int, d: int = 512, layers: int = 4):
     return step, (params, jax.eval_shape(opt.init, params), S((b, d), jnp.float32))
 
 
-def test_order_is_a_topological_permutation() -> None:
-    step, args = _sgd_mlp(8, d=32)
-    g = build_graph(jax.make_jaxpr(step)(*args))
-    order = xla_order(g, "cpu")
+def _assert_topological_permutation(g, order: list[int]) -> None:
     assert sorted(order) == list(range(len(g.nodes)))
     pos = {n: p for p, n in enumerate(order)}
     for node in g.nodes:
         for v in node.inputs:
             if v in g.producers:
                 assert pos[g.producers[v]] < pos[node.index]
+
+
+def test_order_is_a_topological_permutation() -> None:
+    step, args = _sgd_mlp(8, d=32)
+    g = build_graph(jax.make_jaxpr(step)(*args))
+    order = xla_order(g, "cpu")
+    _assert_topological_permutation(g, order)
     assert order != list(range(len(g.nodes)))  # the updates move into the backward pass
     assert xla_order(g, "gpu") == list(range(len(g.nodes)))
+
+
+@pytest.mark.parametrize("dtype", [F32, jnp.bfloat16])
+def test_order_with_copied_operands_is_a_topological_permutation(dtype) -> None:
+    # Transposed copies and (bf16) float32 converts are queued as instructions of their
+    # own; the order still runs every node once, after its operands.
+    step, (params, x) = _residual_mlp(jax.nn.relu, True)
+    low = lambda ps, x: step(jax.tree.map(lambda t: t.astype(dtype), ps), x.astype(dtype))  # noqa: E731
+    g = build_graph(jax.make_jaxpr(low)(params, x))
+    owner = materialised(g)
+    assert dot_copies(g, owner) and bool(converted_reads(g, owner, "cpu")) == (dtype != F32)
+    _assert_topological_permutation(g, xla_order(g, "cpu"))
 
 
 @cpu_only
