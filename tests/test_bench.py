@@ -217,6 +217,20 @@ def test_reach_bench_writes_its_figures(tmp_path: Path) -> None:
     assert (tmp_path / "reach.txt").read_text().startswith(row["program"])
 
 
+def test_residual_mlps_bench_writes_its_figures(tmp_path: Path) -> None:
+    from bench import residual_mlps
+
+    out = tmp_path / "residual_mlps.json"
+    assert residual_mlps.main(["--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["activation"], r["bias"]) for r in rows] == [
+        (a, b) for a in residual_mlps.QUICK for b in (False, True)]
+    for r in rows:  # the error is computed from the two peaks, XLA's measured here
+        assert r["xla_peak_bytes"] > 0
+        assert r["error"] == (r["predicted_peak_bytes"] - r["xla_peak_bytes"]) / r["xla_peak_bytes"]
+    assert (tmp_path / "residual_mlps.txt").read_text().splitlines()[-1].startswith("4 steps")
+
+
 def test_unseen_bench_writes_its_figures(tmp_path: Path) -> None:
     from bench import unseen
 
