@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import jaxmem
+from bench.residual_mlps import residual_mlp
 from hlo_passes.timeline import buffer_timeline
 from jaxmem.graph import build_graph
 from jaxmem.memory import memory_model
@@ -62,7 +63,7 @@ def test_order_is_a_topological_permutation() -> None:
 def test_order_with_copied_operands_is_a_topological_permutation(dtype) -> None:
     # Transposed copies and (bf16) float32 converts are queued as instructions of their
     # own; the order still runs every node once, after its operands.
-    step, (params, x) = _residual_mlp(jax.nn.relu, True)
+    step, (params, x) = residual_mlp(jax.nn.relu, True)
     low = lambda ps, x: step(jax.tree.map(lambda t: t.astype(dtype), ps), x.astype(dtype))  # noqa: E731
     g = build_graph(jax.make_jaxpr(low)(params, x))
     owner = materialised(g)
@@ -130,18 +131,6 @@ def test_a_scatter_into_zeros_added_to_a_gradient_runs_at_the_add() -> None:
     assert pos[scatter] > max(pos[n.index] for n in g.nodes if n.primitive == "tanh")
 
 
-def _residual_mlp(act, bias: bool):
-    """The gradient of a 3-layer residual MLP on ``[8, 128, 64]`` tokens (hidden 256)."""
-    def loss(ps, x):
-        for w1, b1, w2 in ps:
-            pre = x @ w1
-            x = x + act(pre + b1 if bias else pre) @ w2
-        return jnp.mean(x ** 2)
-
-    layer = (S((64, 256), jnp.float32), S((256,), jnp.float32), S((256, 64), jnp.float32))
-    return jax.grad(loss), ([layer] * 3, S((8, 128, 64), jnp.float32))
-
-
 @cpu_only
 @pytest.mark.parametrize(("act", "bias"), [(jax.nn.relu, True), (jax.nn.relu, False),
                                            (jax.nn.gelu, True), (jnp.sin, False)])
@@ -150,7 +139,7 @@ def test_a_weight_gradient_read_through_a_copy_runs_after_the_input_gradient(act
     # The weight gradient's dot reads the [b, s, d] cotangent through a transposed copy,
     # which takes a turn of XLA's queue: the input gradient's dot runs first, while the
     # layer's activation (the weight gradient's other operand) is still live.
-    step, args = _residual_mlp(act, bias)
+    step, args = residual_mlp(act, bias)
     compiled = jax.jit(step).lower(*args).compile()
     xla = jaxmem.xla_peak_bytes(compiled)
     t = buffer_timeline(compiled)

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from jaxmem.errors import BudgetInfeasibleError, JaxmemError
+from jaxmem.graph.types import reruns
 from jaxmem.lower import Executable
 from jaxmem.plan.analysis import Analysis
 from jaxmem.plan.select import Selection
@@ -42,8 +43,8 @@ class Plan:
         selection: the record of every level the selection looked at (None for a plan
             compiled directly with ``Jitted.compile_level``).
         own_remat: whether the traced program has its own recomputation (a
-            ``jax.checkpoint``, lowered behind an optimization barrier), which every
-            level keeps.
+            ``jax.checkpoint``'s re-run, :func:`~jaxmem.graph.types.reruns`), which
+            every level keeps.
     """
 
     dims: dict[str, int]
@@ -118,8 +119,7 @@ def make_plan(analysis: Analysis, exe: Executable, dims: dict[str, int],
                 exe.predicted_peak_bytes, exe.peak_bytes, budget_bytes, exe.compiled,
                 exe.order_enforced, static_argnums, why, exe.microbatches, level.offload,
                 analysis.offload_planned, selection,
-                own_remat=any(n.primitive == "optimization_barrier"
-                              for n in analysis.plans.levels[0].graph.nodes))
+                own_remat=reruns(analysis.plans.levels[0].graph))
 
 
 def infeasible(analysis: Analysis, selection: Selection, dims: dict[str, int]

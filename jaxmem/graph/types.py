@@ -90,6 +90,12 @@ def is_rerun(scope: str) -> bool:
     return "transpose(" in scope and RERUN_SCOPE in scope
 
 
+def reruns(graph: Graph) -> bool:
+    """Whether ``graph`` (not its sub-graphs) holds a ``jax.checkpoint``'s re-run of
+    forward operations: recomputation the user wrote, which every plan keeps."""
+    return any(RERUN_SCOPE in n.scope for n in graph.nodes)
+
+
 ValueOrNode = TypeVar("ValueOrNode", "Value", "Node")
 
 

@@ -44,7 +44,7 @@ import sympy
 
 from jaxmem.graph import Graph, JaxmemWarning, Node, bind_eqn, build_graph, replaced
 from jaxmem.graph.build import dim_of
-from jaxmem.graph.types import RERUN_SCOPE
+from jaxmem.graph.types import RERUN_SCOPE, reruns
 from jaxmem.memory import memory_model
 from jaxmem.plan.level import Level
 from jaxmem.plan.levels import PlanSet, plan_levels
@@ -117,13 +117,8 @@ def body_scans(graph: Graph) -> tuple[int, ...]:
     accumulation scan's, or a checkpointed scan's backward loop (:func:`planned_body`)."""
     return tuple(n.index for n in graph.nodes
                  if n.primitive == "scan" and n.eqn is not None and not is_forward(n.scope)
-                 and (not n.is_backward or _reruns(n.subgraphs[0]))
+                 and (not n.is_backward or reruns(n.subgraphs[0]))
                  and find_residuals(planned_body(n)))
-
-
-def _reruns(body: Graph) -> bool:
-    """Whether ``body`` holds a ``jax.checkpoint``'s re-run of forward operations."""
-    return any(RERUN_SCOPE in n.scope for n in body.nodes)
 
 
 def planned_body(node: Node) -> Graph:
@@ -137,7 +132,7 @@ def planned_body(node: Node) -> Graph:
     checkpoint.
     """
     body = node.subgraphs[0]
-    if not (node.is_backward and _reruns(body)):
+    if not (node.is_backward and reruns(body)):
         return body
     return dataclasses.replace(body, nodes=tuple(
         replaced(n, scope=f"jvp({n.scope})" if RERUN_SCOPE in n.scope
