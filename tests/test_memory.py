@@ -284,6 +284,28 @@ def test_arguments_and_outputs_match_xla_exactly() -> None:
     assert counts["argument"] == len(report.graph.inputs)
 
 
+def _step_with_idle_arguments(w, x, unused, dead_only):
+    """An SGD step that never reads ``unused`` and reads ``dead_only`` in dead code."""
+    _ = dead_only * 3.0
+    loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+    return w - 0.1 * g, loss
+
+
+@pytest.mark.parametrize("donate", [(), (2,), (0, 3)])
+def test_arguments_nothing_reads_are_pruned_as_jax_jit_prunes_them(donate) -> None:
+    args = (jnp.ones((64, 64)), jnp.ones((8, 100, 64)), jnp.ones((1024, 1024)),
+            jnp.ones((512, 512)))
+    ma = jax.jit(_step_with_idle_arguments, donate_argnums=donate).lower(
+        *args).compile().memory_analysis()
+    m = memory_model(graph_of(_step_with_idle_arguments, *args), ShapeDomain((), (), ()),
+                     donated=donate)
+    assert int(m.argument_bytes) == ma.argument_size_in_bytes
+    assert int(m.alias_bytes) == ma.alias_size_in_bytes
+    xla = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+           + ma.temp_size_in_bytes)
+    assert abs(int(m.peak_bytes) - xla) <= 0.05 * xla
+
+
 def _recomputed_softmax_backward(q, k, v, do):
     """An attention backward as a rewritten level runs it: the saved ``exp`` and the
     ``dP`` matmul pass one optimization barrier, the softmax is normalised after it."""

@@ -314,7 +314,8 @@ def _value_buffers(graph: Graph, end: int, owner: dict[int, int], outputs: set[i
 
     Temporaries live from their writer to their last reader (or until a result
     takes their buffer over); an argument returned as is is also copied into an
-    output buffer.
+    output buffer. An argument nothing live reads is no argument of the executable:
+    ``jax.jit`` prunes it (``keep_unused=False``), donated or not.
     """
     inputs = set(graph.inputs)
     buffers = []
@@ -324,6 +325,8 @@ def _value_buffers(graph: Graph, end: int, owner: dict[int, int], outputs: set[i
     for vid in sorted(inputs.union(outputs, first_def)):
         v = values[vid]
         if vid in inputs:
+            if vid not in last_use and vid not in outputs:
+                continue
             buffers.append(Buffer(vid, v.nbytes, -1, end, "argument"))
             if vid in outputs:
                 buffers.append(Buffer(vid, v.nbytes, end, end, "output", "copied argument"))

@@ -267,7 +267,7 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
     points = _live_points(buffers, extra, n) if table is None else table
     bound = _Bound(points, dom, symbolic)
     upper: sympy.Expr | _Bound = bound
-    aliased = _aliased_outputs(graph, donated)
+    aliased = _aliased_outputs(graph, donated, buffers)
     if not reuse_outputs:
         temp, candidates = bound.derive(tally)
         upper = temp
@@ -364,14 +364,19 @@ def _live_points(buffers: Sequence[Buffer], extra: dict[int, sympy.Expr], n: int
     return points
 
 
-def _aliased_outputs(graph: Graph, donated: Sequence[int]) -> set[int]:
+def _aliased_outputs(graph: Graph, donated: Sequence[int], buffers: Sequence[Buffer]
+                     ) -> set[int]:
     """Output value ids that live in a donated argument's buffer.
 
     Each donated argument takes the first output of its shape and dtype that no
-    other donated argument took (XLA's input-output aliasing of donated buffers).
+    other donated argument took (XLA's input-output aliasing of donated buffers); an
+    argument without a buffer (nothing reads it: ``jax.jit`` prunes it) takes none.
     """
     free = collections.Counter()
+    kept = {b.value for b in buffers if b.kind == "argument"}
     for i in donated:
+        if graph.inputs[i] not in kept:
+            continue
         v = graph.values[graph.inputs[i]]
         free[(v.shape, v.dtype)] += 1
     out = set()
