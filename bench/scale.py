@@ -18,7 +18,9 @@ JAX's is warm): (a) ``jaxmem.analyze`` (trace, graph, memory model) over
 (:func:`jaxmem.plan.analysis.derive_plans`: the levels, each with its memory
 model, and the scheduler's orders), with the state donated as in training; (c)
 ``jax.jit(step).lower(...)`` and ``.compile()`` at ``(b, s) = (8, 512)``, nothing
-executed. State and batch are ``jax.ShapeDtypeStruct`` from ``jax.eval_shape``:
+executed; (d) the symbolic trace alone (``jaxmem.trace.trace``, again, warm): JAX's own
+tracing of the step, part of (a), which ``jax.jit``'s lower pays too, at one shape. State
+and batch are ``jax.ShapeDtypeStruct`` from ``jax.eval_shape``:
 no 1B parameters (16 GB with Adam's moments in f32) are materialised. Each figure
 is the minimum over the repeats.
 
@@ -51,7 +53,7 @@ SHAPE = {"b": 8, "s": 512}
 LAYERS = 22
 QUICK_LAYERS = 2
 TARGET = 0.10  # analysis + plans as a fraction of one XLA compile (issue #12)
-PHASES = ("analyze", "plans", "lower", "compile")
+PHASES = ("analyze", "plans", "lower", "compile", "trace")
 
 
 def llama_case(layers: int, dtype: str) -> Program:
@@ -74,16 +76,18 @@ CASES: dict[str, Callable[[int], Program]] = {
 
 
 def time_case(program: Program, shape: dict[str, int]) -> dict[str, Any]:
-    """Seconds of (a) ``jaxmem.analyze``, (b) plan derivation, (c) XLA's lower and compile.
+    """Seconds of (a) ``jaxmem.analyze``, (b) plan derivation, (c) XLA's lower and compile,
+    (d) the symbolic trace that (a) starts with, run again.
 
     Example:
         >>> from bench.programs import mlp_program
         >>> t = time_case(mlp_program(hidden=16, layers=1, max_b=8), {"b": 8})
         >>> sorted(k for k in t if k.endswith("_s") and not k.endswith("cpu_s"))
-        ['analyze_s', 'compile_s', 'lower_s', 'plans_s']
+        ['analyze_s', 'compile_s', 'lower_s', 'plans_s', 'trace_s']
     """
     from jaxmem.plan.analysis import PlanInputs, derive_plans
     from jaxmem.plan.offload import costs_for, offload_by_default
+    from jaxmem.trace import trace
 
     clock: list[tuple[float, float]] = []
 
@@ -104,6 +108,8 @@ def time_case(program: Program, shape: dict[str, int]) -> dict[str, Any]:
     lowered = jax.jit(program.step, donate_argnums=(0,)).lower(*program.concrete_args(shape))
     tick()
     compiled = lowered.compile()
+    tick()
+    trace(program.step, *program.symbolic_args())
     tick()
     out = {"program": program.name, "nodes": len(report.graph.nodes), "levels": len(plans.levels),
            "predicted_peak_bytes": report.peak_bytes_at(**shape),
@@ -139,6 +145,7 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         best[f"analysis_ratio{tag}"] = best[f"analyze_{unit}"] / xla
         best[f"plans_ratio{tag}"] = best[f"plans_{unit}"] / xla
         best[f"total_ratio{tag}"] = (best[f"analyze_{unit}"] + best[f"plans_{unit}"]) / xla
+        best[f"trace_ratio{tag}"] = best[f"trace_{unit}"] / xla
     best["meets_target"] = best["total_ratio"] <= TARGET
     return best
 
@@ -163,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"{layers} layers at {at} (domain {upto}); min of "
         f"{1 if args.quick else args.repeats} run(s)")
     log(f"{'case':<11} {'ops':>6} {'lv':>3} {'analyze':>8} {'plans':>8} {'xla':>8} "
-        f"{'analyze/xla':>11} {'plans/xla':>9} {'both/xla':>8} {'(cpu)':>6}")
+        f"{'analyze/xla':>11} {'plans/xla':>9} {'both/xla':>8} {'(cpu)':>6} {'trace/xla':>9}")
     results = {}
     for case in args.cases.split(","):
         runs = ([time_case(CASES[case](layers), SHAPE)] if args.quick
@@ -172,9 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"{case:<11} {r['nodes']:>6} {r['levels']:>3} {r['analyze_s']:>7.2f}s "
             f"{r['plans_s']:>7.2f}s {r['xla_s']:>7.2f}s {100 * r['analysis_ratio']:>10.0f}% "
             f"{100 * r['plans_ratio']:>8.0f}% {100 * r['total_ratio']:>7.0f}% "
-            f"{100 * r['total_ratio_cpu']:>5.0f}%")
+            f"{100 * r['total_ratio_cpu']:>5.0f}% {100 * r['trace_ratio_cpu']:>8.0f}%")
     log(f"wall seconds; xla = lower + compile of jax.jit(step); target: analyze + plans <= "
-        f"{100 * TARGET:.0f} % of it; (cpu): the same ratio in process CPU seconds")
+        f"{100 * TARGET:.0f} % of it; (cpu): the same ratio in process CPU seconds; "
+        "trace/xla (cpu): JAX's symbolic trace of the step alone, warm, which analyze "
+        "starts with")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"cases": results, "layers": layers, "shape": SHAPE,

@@ -14,8 +14,9 @@ import pytest
 from bench import scale
 from bench.programs import mlp_program
 
-TIMES = ("analyze_s", "plans_s", "lower_s", "compile_s", "xla_s", "analyze_cpu_s", "xla_cpu_s")
-RATIOS = ("analysis_ratio", "plans_ratio", "total_ratio", "total_ratio_cpu")
+TIMES = ("analyze_s", "plans_s", "lower_s", "compile_s", "xla_s", "analyze_cpu_s", "xla_cpu_s",
+         "trace_s")
+RATIOS = ("analysis_ratio", "plans_ratio", "total_ratio", "total_ratio_cpu", "trace_ratio_cpu")
 
 
 def check(out: dict, cases: list[str]) -> None:
@@ -24,6 +25,7 @@ def check(out: dict, cases: list[str]) -> None:
         r = out["cases"][case]
         assert all(isinstance(r[k], float) and r[k] > 0 for k in TIMES + RATIOS), r
         assert r["total_ratio"] == pytest.approx((r["analyze_s"] + r["plans_s"]) / r["xla_s"])
+        assert r["trace_s"] <= r["analyze_s"] + r["plans_s"]  # a part of what analyze runs
         assert isinstance(r["meets_target"], bool)
         assert r["levels"] >= 1 and r["nodes"] > 0
         assert r["predicted_peak_bytes"] > 0 and r["xla_peak_bytes"] > 0
