@@ -7,7 +7,8 @@ The flow, one stage per module, each importing only earlier ones:
 
 from jaxmem import schedulers
 from jaxmem.analyze import Report, analyze
-from jaxmem.dispatch.jit import CacheInfo, Jitted, jit
+from jaxmem.dispatch.api import jit
+from jaxmem.dispatch.jit import CacheInfo, Jitted
 from jaxmem.dispatch.plan import Plan
 from jaxmem.errors import (
     BudgetInfeasibleError,

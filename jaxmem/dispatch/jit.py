@@ -48,6 +48,7 @@ from jaxmem.dispatch.checks import (
     split_args,
 )
 from jaxmem.dispatch.fastpath import key_reader
+from jaxmem.dispatch.keywords import KeywordCalls, check_argnames, routes_keywords
 from jaxmem.dispatch.plan import Plan, infeasible, make_plan, no_retry_fits, unrepeatable
 from jaxmem.dispatch.store import AnalysisStore
 from jaxmem.errors import BudgetInfeasibleError
@@ -78,7 +79,8 @@ class Jitted:
     def __init__(self, fun: Callable[..., Any], *, polymorphic_shapes: Any = None,
                  constraints: Sequence[str] = (), budget_bytes: int | None = None,
                  scheduler: Scheduler | None = None, donate_argnums: int | Iterable[int] = (),
-                 static_argnums: int | Iterable[int] = (), in_shardings: Any = None,
+                 static_argnums: int | Iterable[int] = (),
+                 static_argnames: str | Iterable[str] = (), in_shardings: Any = None,
                  out_shardings: Any = None, symbolic: bool = True,
                  offload: bool | None = None, offload_costs: Costs | None = None,
                  cache_dir: str | os.PathLike[str] | None = None):
@@ -92,6 +94,7 @@ class Jitted:
         self.scheduler = scheduler if scheduler is not None else MemoryAware()
         self.donate_argnums = check_argnums("donate_argnums", donate_argnums)
         self.static_argnums = check_argnums("static_argnums", static_argnums)
+        self.static_argnames = check_argnames(static_argnames)
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
         self.symbolic = symbolic
@@ -111,6 +114,7 @@ class Jitted:
         self._read_key: Callable[[tuple[Any, ...]], Any] | None = None
         self._read_analysis: Analysis | None = None
         self._fast: dict[Any, tuple[Callable[..., Any], Plan]] = {}
+        self._keyword = KeywordCalls(fun, self._settings(), self._with_keywords)
         self.retries = 0
         functools.update_wrapper(self, fun)
 
@@ -121,6 +125,7 @@ class Jitted:
 
     # --- public hooks ---------------------------------------------------------------------
 
+    @routes_keywords()
     def analysis(self, *args: Any) -> Analysis:
         """The symbolic analysis (trace, graph, domain, plan set, orders) for arguments
         structured like ``args`` (arrays or ``jax.ShapeDtypeStruct``); derived once and
@@ -128,14 +133,15 @@ class Jitted:
         static, dynamic = self._split(args)
         return self._analysis(static, dynamic)
 
-    def plans(self, *args: Any) -> PlanSet:
+    def plans(self, *args: Any, **kwargs: Any) -> PlanSet:
         """The levels derived (once, symbolically) for arguments structured like ``args``.
 
         ``args`` may be arrays or ``jax.ShapeDtypeStruct``; nothing is compiled.
         ``plans(...).describe(budget_bytes)`` prints each level's guard.
         """
-        return self.analysis(*args).plans
+        return self.analysis(*args, **kwargs).plans
 
+    @routes_keywords(lead=1)
     def compile_level(self, level: int, *args: Any, microbatches: int = 1,
                       apply_order: bool = True) -> Plan:
         """Compiles level ``level`` at the shapes of ``args``, whatever the budget says.
@@ -157,16 +163,23 @@ class Jitted:
     def with_budget(self, budget_bytes: int | None) -> Jitted:
         """The same function under another budget, sharing this one's analyses (which do
         not depend on the budget) but none of its plans or executables."""
-        other = Jitted(self.fun, polymorphic_shapes=self.polymorphic_shapes,
-                       constraints=self.constraints, budget_bytes=budget_bytes,
-                       scheduler=self.scheduler, donate_argnums=self.donate_argnums,
-                       static_argnums=self.static_argnums, in_shardings=self.in_shardings,
-                       out_shardings=self.out_shardings, symbolic=self.symbolic,
-                       offload=self.offload, offload_costs=self.offload_costs,
-                       cache_dir=self.cache_dir)
+        other = Jitted(self.fun, **{**self._settings(), "budget_bytes": budget_bytes})
         other._analyses, other._store = self._analyses, self._store
         return other
 
+    def _settings(self) -> dict[str, Any]:
+        """The keyword arguments that make this ``Jitted`` again."""
+        names = ("polymorphic_shapes", "constraints", "budget_bytes", "scheduler",
+                 "donate_argnums", "static_argnums", "static_argnames", "in_shardings",
+                 "out_shardings", "symbolic", "offload", "offload_costs", "cache_dir")
+        return {n: getattr(self, n) for n in names}
+
+    def _with_keywords(self, fun: Callable[..., Any], settings: dict[str, Any]) -> Jitted:
+        other = Jitted(fun, **settings)  # a keyword signature's function
+        other._store = self._store
+        return other
+
+    @routes_keywords(lead=1)
     def use_plan(self, plan: Plan, *args: Any) -> None:
         """Makes calls shaped like ``args`` run ``plan`` (one from :meth:`compile_level`, or
         one whose executable is wrapped, e.g. to inject a fault in a test)."""
@@ -178,7 +191,10 @@ class Jitted:
 
     def cache_info(self) -> CacheInfo:
         """How many analyses (and of them, loaded from disk), plans and executables it holds."""
-        return CacheInfo(len(self._analyses), len(self._plans), self.compiles, self._store.loaded)
+        inner = [k.cache_info() for k in self._keyword.made.values()]
+        return CacheInfo(len(self._analyses) + sum(i.analyses for i in inner),
+                         len(self._plans) + sum(i.plans for i in inner), self.compiles,
+                         self._store.loaded)
 
     @property
     def analysis_s(self) -> float:
@@ -188,7 +204,8 @@ class Jitted:
     @property
     def compiles(self) -> int:
         """Number of distinct executables compiled so far."""
-        return len({id(p.compiled) for p in self._plans.values()})
+        return (len({id(p.compiled) for p in self._plans.values()})
+                + sum(k.compiles for k in self._keyword.made.values()))
 
     # --- planning -------------------------------------------------------------------------
 
@@ -208,6 +225,7 @@ class Jitted:
     def _options(self, analysis: Analysis) -> CompileOptions:
         return CompileOptions(analysis.donate_dynamic, self.in_shardings, self.out_shardings)
 
+    @routes_keywords()
     def plan_for(self, *args: Any) -> Plan:
         """The plan (and compiled executable) that a call with ``args`` runs.
 
@@ -264,7 +282,10 @@ class Jitted:
 
     # --- calls ----------------------------------------------------------------------------
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            inner, pos = self._keyword.route(args, kwargs)
+            return inner(*pos)
         entry = None
         if self._read_key is not None:
             try:
@@ -334,6 +355,8 @@ class Jitted:
         """Cancels queued compiles, ends the compile threads, stores the measured costs."""
         self._pool.close()
         self.costs.save()
+        for k in self._keyword.made.values():
+            k.close()
 
     def plan_compiles(self, calls: Iterable[Sequence[Any]], pad_dims: Sequence[str]
                       ) -> CompilePlan:
@@ -362,39 +385,4 @@ class Jitted:
         return self._pool.submit(self.plan_for, [tuple(s) for s in shapes], background, workers)
 
 
-def jit(fun: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
-    """Planned, budgeted ``jax.jit``. Use as ``jaxmem.jit(f, ...)`` or ``@jaxmem.jit(...)``.
-
-    Args:
-        fun: the function (omit to get a decorator).
-        polymorphic_shapes: per positional argument, ``None`` or a string like ``"b, s"``
-            (the form of ``jax.export.symbolic_args_specs``).
-        constraints: e.g. ``("b <= 16", "s <= 512")``.
-        budget_bytes: memory budget per device in bytes, or None for no limit.
-        scheduler: a :class:`~jaxmem.Scheduler`; None means ``schedulers.MemoryAware()``.
-        donate_argnums, static_argnums, in_shardings, out_shardings: as for ``jax.jit``.
-        symbolic: False runs the fallback-only ablation.
-        offload: plan moving residuals to host memory (``pinned_host``) as well as
-            recomputing them. None (default): not on any backend for now (on an H200
-            no offload level lowered XLA's peak; :mod:`jaxmem.plan.offload`).
-        offload_costs: the device rates (:class:`jaxmem.plan.offload.Costs`: FLOP/s and
-            host-link bytes/s) that weigh recomputation against offload; None uses the
-            default backend's figures (:func:`jaxmem.plan.offload.costs_for`).
-        cache_dir: a directory (``str`` or ``os.PathLike``) where analyses persist across
-            runs (:mod:`jaxmem.dispatch.store`); None uses ``<jax_compilation_cache_dir>/jaxmem``
-            when JAX's persistent compilation cache is configured, else keeps them in memory.
-
-    Example:
-        >>> import jax.numpy as jnp, jaxmem
-        >>> @jaxmem.jit(polymorphic_shapes=("n",), constraints=("n <= 1024",))
-        ... def f(x):
-        ...     return x * 2
-        >>> f(jnp.arange(3.0))
-        Array([0., 2., 4.], dtype=float32)
-    """
-    if fun is None:
-        return lambda f: Jitted(f, **kwargs)
-    return Jitted(fun, **kwargs)
-
-
-__all__ = ["CacheInfo", "Jitted", "jit"]
+__all__ = ["CacheInfo", "Jitted"]

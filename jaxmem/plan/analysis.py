@@ -177,7 +177,7 @@ def _symbolic_specs(dynamic: tuple[Any, ...], leaves_with_path: Sequence[Any], p
             raise ShapeOutOfRangeError(
                 f"argument args{jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an "
                 "array; pass arrays, Python scalars or jax.ShapeDtypeStruct (or mark it in "
-                "static_argnums)")
+                "static_argnums, or a keyword argument in static_argnames)")
     examples = jax.tree_util.tree_map(as_struct, dynamic)
     try:
         specs = jax.export.symbolic_args_specs(examples, poly, constraints=tuple(constraints))
