@@ -17,7 +17,7 @@ import jaxmem
 from jaxmem.graph import build_graph
 from jaxmem.memory import memory_model
 from jaxmem.memory.library import pooling_fusions
-from jaxmem.memory.windows import conv_copies, window_broadcasts
+from jaxmem.memory.windows import conv_copies, max_pool_gradient_buffers, window_broadcasts
 from jaxmem.symbolic import ShapeDomain, sym
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU's rules")
@@ -102,3 +102,38 @@ def test_pooling_fusion_reads_shared_constants_materialised() -> None:
     extras = window_broadcasts(g, list(range(len(g.nodes))), used, "cpu")
     assert sorted(str(x.nbytes) for x in extras) == sorted(["32768*b", "131072*b"])
     assert window_broadcasts(g, list(range(len(g.nodes))), used, "gpu") == []
+
+
+def _max_pool_gradient(x):
+    pool = lambda x: nn.max_pool(x, (2, 2), (2, 2))  # noqa: E731
+    return jax.grad(lambda x: (pool(x) ** 2).sum())(x)
+
+
+def _max_pool_convnet_step(x, w1, w2):
+    def loss(w1, w2):
+        h = nn.max_pool(jax.nn.relu(_conv(x, w1)), (2, 2), (2, 2))
+        h = nn.max_pool(jax.nn.relu(_conv(h, w2)), (2, 2), (2, 2))
+        return jnp.mean(h ** 2)
+    g1, g2 = jax.grad(loss, argnums=(0, 1))(w1, w2)
+    return w1 - 0.1 * g1, w2 - 0.1 * g2
+
+
+def test_max_pool_gradient_takes_the_expansions_buffers() -> None:
+    # XLA's CPU backend expands a max pool's gradient into iotas (one s32 array of the
+    # operand's shape per dim, made at the program's start), a window computing maxima
+    # and their indices, and a scatter into zeros made at the start: without the rule
+    # -70 % (the gradient alone) and -61 % (the step; its iotas and zeros live through
+    # the forward pass).
+    errors = _errors(_max_pool_gradient, lambda n: (_f32(n, 64, 64, 8),))
+    assert all(abs(e) <= 0.06 for e in errors), errors
+    errors = _errors(_max_pool_convnet_step,
+                     lambda n: (_f32(n, 64, 64, 3), _f32(3, 3, 3, 16), _f32(3, 3, 16, 32)))
+    assert all(abs(e) <= 0.08 for e in errors), errors
+    (b,) = jax.export.symbolic_shape("b")
+    g = build_graph(jax.make_jaxpr(_max_pool_gradient)(_f32(b, 64, 64, 8)))
+    order, used = list(range(len(g.nodes))), [True] * len(g.nodes)
+    notes = sorted(x.note for x in max_pool_gradient_buffers(g, order, used, "cpu"))
+    assert notes == ["max-pool gradient: iota of an operand dim",
+                     "max-pool gradient: selected indices",
+                     "max-pool gradient: window maxima and indices"]  # the zeros: the result
+    assert max_pool_gradient_buffers(g, order, used, "gpu") == []

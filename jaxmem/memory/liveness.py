@@ -32,7 +32,7 @@ from jaxmem.memory.fusion import (
 )
 from jaxmem.memory.precision import buffer_sizes, operand_copies
 from jaxmem.memory.random_bits import random_bits_counters, random_bits_sizes
-from jaxmem.memory.windows import conv_copies, window_broadcasts
+from jaxmem.memory.windows import conv_copies, max_pool_gradient_buffers, window_broadcasts
 from jaxmem.memory.ynn import row_fused_sizes, row_fusion_extras, row_fusions
 
 
@@ -109,6 +109,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
               *operand_copies(graph, order, owner, backend, widened),
               *conv_copies(graph, order, size),
               *window_broadcasts(graph, order, used, backend),
+              *max_pool_gradient_buffers(graph, order, used, backend),
               *random_bits_counters(graph, order, bits),
               *row_fusion_extras(graph, order, used, backend, fusions)):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))

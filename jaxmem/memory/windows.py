@@ -108,3 +108,48 @@ def window_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[bool],
                 out.append(Extra(w.inputs[0], sympy.expand(itemsize * sympy.Mul(*shape)), 0,
                                  pos[w.index], "pooling fusion constant operand"))
     return out
+
+
+#: XLA's CPU expansion of ``select_and_scatter`` indexes with 32-bit integers.
+_INDEX_BYTES = 4
+
+
+def max_pool_gradient_buffers(graph: Graph, order: Sequence[int], used: Sequence[bool],
+                              backend: str) -> list[Extra]:
+    """The buffers of XLA's CPU expansion of a max pool's gradient (module docstring).
+
+    One iota per dim of each pooled operand's shape (shared by the pools of that shape,
+    as XLA's CSE shares them) from the program's start to the last window that reads
+    them; the window's maxima with their indices at the window, which runs as soon as
+    its operand is written; the selected indices from the next step to the scatter;
+    and the zeros the scatter adds into, from the program's start.
+    """
+    if backend != "cpu":
+        return []
+    pos = {n: p for p, n in enumerate(order)}
+    iotas: dict[tuple[sympy.Expr, ...], list] = {}
+    results = set(graph.outputs)
+    out = []
+    for ni in order:
+        node = graph.nodes[ni]
+        if node.primitive != "select_and_scatter_add" or not used[ni] or len(node.inputs) != 2:
+            continue
+        source, operand = (graph.values[v] for v in node.inputs)
+        elems, pooled, rank = sympy.Mul(*operand.shape), sympy.Mul(*source.shape), \
+            len(operand.shape)
+        itemsize = operand.nbytes / elems
+        producer = graph.producers.get(operand.id)
+        window, p = (0 if producer is None else pos[producer] + 1), pos[ni]
+        span = iotas.setdefault(operand.shape, [operand.id, window])
+        span[1] = max(span[1], window)
+        out.append(Extra(operand.id, sympy.expand((itemsize + rank * _INDEX_BYTES) * pooled),
+                         window, window, "max-pool gradient: window maxima and indices"))
+        out.append(Extra(operand.id, sympy.expand(rank * _INDEX_BYTES * pooled),
+                         min(window + 1, p), p, "max-pool gradient: selected indices"))
+        if p > 0 and node.outputs[0] not in results:  # a result's zeros are in the output
+            out.append(Extra(node.outputs[0], sympy.expand(itemsize * elems), 0, p - 1,
+                             "max-pool gradient: zeros the scatter adds into"))
+    out.extend(Extra(v, sympy.expand(len(shape) * _INDEX_BYTES * sympy.Mul(*shape)), 0, end,
+                     "max-pool gradient: iota of an operand dim") for shape, (v, end)
+               in iotas.items())
+    return out
