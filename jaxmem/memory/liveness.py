@@ -21,10 +21,11 @@ from collections.abc import Callable, Sequence
 import jax
 import sympy
 
-from jaxmem.graph import Graph
+from jaxmem.graph import EXPENSIVE, Graph
 from jaxmem.memory.epilogues import epilogue_broadcasts
 from jaxmem.memory.fusion import (
     Extra,
+    effectively_unary,
     is_head_split,
     materialised,
     transposed_copies,
@@ -95,9 +96,10 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     copies = transposed_copies(graph, order, owner, size, copied, used, pairs)
     base, copied = _copied_early(graph, order, owner, used, copies, copied)
     first_def, last_use = _definitions_and_uses(graph, order, owner, srcs, used, copied)
-    for x in copies:  # a copied operand is read when its copy is made
-        v = base.get(x.value, x.value)
-        last_use[v] = max(last_use.get(v, x.start), x.start)
+    convs = conv_copies(graph, order, size)
+    for x in (*copies, *convs):  # a copied operand is read when its copy is made
+        for v in _copy_reads(graph, x, base, srcs, x in convs):
+            last_use[v] = max(last_use.get(v, x.start), x.start)
     outputs = _output_buffers(graph, order, owner, first_def)
     reuse_end, in_output, taken = _shared_buffers(graph, order, owner, srcs, last_use,
                                                   outputs, widened, sizes)
@@ -107,13 +109,28 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     for x in (*copies,
               *epilogue_broadcasts(graph, order, owner, first_def),
               *operand_copies(graph, order, owner, backend, widened),
-              *conv_copies(graph, order, size),
+              *convs,
               *window_broadcasts(graph, order, used, backend),
               *max_pool_gradient_buffers(graph, order, used, backend),
               *random_bits_counters(graph, order, bits),
               *row_fusion_extras(graph, order, used, backend, fusions)):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
     return tuple(buffers)
+
+
+def _copy_reads(graph: Graph, x: Extra, base: dict[int, int],
+                srcs: Callable[[int], frozenset[int]], duplicates: bool) -> frozenset[int]:
+    """The buffers copy ``x`` reads: its operand's (``base``: a head split's projection),
+    or, where ``duplicates`` and XLA duplicates the operand's producer into the copy (an
+    elementwise op, not expensive, effectively unary: ``materialised``'s rule), that
+    producer's sources, which then live until the copy is made."""
+    v = base.get(x.value, x.value)
+    prod = graph.producers.get(v)
+    node = graph.nodes[prod] if duplicates and prod is not None else None
+    if (node is None or node.kind != "elementwise" or node.primitive in EXPENSIVE
+            or not effectively_unary(graph, node)):
+        return frozenset((v,))
+    return frozenset().union(*[srcs(i) for i in node.inputs])
 
 
 def _copied_early(graph: Graph, order: Sequence[int], owner: dict[int, int],

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from jaxmem.graph import Graph, Node
 from jaxmem.memory.fusion import dot_copies, materialised, used_nodes
 from jaxmem.memory.precision import converted_reads
+from jaxmem.memory.windows import conv_copy_pairs
 
 #: backends whose XLA schedules breadth-first when the order is left to it
 BFS_BACKENDS = ("cpu",)
@@ -65,7 +66,7 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
     fused = _joins_consumer(graph, owner, used)
     preds, fused_in, through = _instruction_operands(graph, fused)
     pairs = [*(dot_copies(graph, owner, used) if pairs is None else pairs),
-             *converted_reads(graph, owner, backend)]
+             *converted_reads(graph, owner, backend), *conv_copy_pairs(graph)]
     preds += _copy_instructions(graph, preds, through, pairs)
     runs = [u and not f for u, f in zip(used, fused, strict=True)] + [True] * (len(preds) - n)
     users: dict[int, list[int]] = collections.defaultdict(list)

@@ -57,8 +57,26 @@ def conv_copies(graph: Graph, order: Sequence[int],
     """
     pos = {n: p for p, n in enumerate(order)}
     spans: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-    for p, ni in enumerate(order):
-        node = graph.nodes[ni]
+    for ni, v, spec in sorted(_copied_operands(graph), key=lambda c: pos[c[0]]):
+        p = pos[ni]
+        span = spans.setdefault((v, spec), [min(copy_start(graph, pos, v, p), p), p])
+        span[1] = p
+    return [Extra(v, size(v), a, b, "convolution operand copy")
+            for (v, _), (a, b) in spans.items()]
+
+
+def conv_copy_pairs(graph: Graph) -> list[tuple[int, int]]:
+    """The ``(convolution node, operand)`` pairs XLA reads through a copy
+    (:func:`conv_copies`), for its scheduler's queue
+    (:func:`jaxmem.memory.schedule.xla_order`)."""
+    return [(ni, v) for ni, v, _ in _copied_operands(graph)]
+
+
+def _copied_operands(graph: Graph) -> list[tuple[int, int, tuple[int, ...]]]:
+    """``(convolution node, operand, its layout)`` of each operand laid out otherwise than
+    the CPU convolution reads it."""
+    out = []
+    for node in graph.nodes:
         if node.primitive != "conv_general_dilated":  # before dict(params), for speed
             continue
         params = dict(node.params)
@@ -66,12 +84,9 @@ def conv_copies(graph: Graph, order: Sequence[int],
             continue
         for v, spec, canonical in zip(node.inputs[:2], (params["lhs_spec"], params["rhs_spec"]),
                                       (_input_layout, _kernel_layout), strict=False):
-            if tuple(spec) == canonical(len(spec)):
-                continue
-            span = spans.setdefault((v, tuple(spec)), [min(copy_start(graph, pos, v, p), p), p])
-            span[1] = p
-    return [Extra(v, size(v), a, b, "convolution operand copy")
-            for (v, _), (a, b) in spans.items()]
+            if tuple(spec) != canonical(len(spec)):
+                out.append((node.index, v, tuple(spec)))
+    return out
 
 
 def _input_layout(rank: int) -> tuple[int, ...]:
