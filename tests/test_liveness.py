@@ -7,9 +7,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxmem
+from bench.residual_mlps import residual_mlp
 from jaxmem.graph import build_graph
 from jaxmem.lower import compiler_options
 from jaxmem.memory import liveness, memory_model
@@ -186,3 +188,17 @@ def test_a_views_copy_has_the_bytes_of_the_buffer_it_views() -> None:
     assert temps[0] == temps[1]  # XLA: the name changes nothing
     assert peaks[0] == peaks[1], peaks
 
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU rules")
+@pytest.mark.parametrize("act", [jax.nn.relu, jnp.sin, jnp.exp, jnp.abs])
+def test_a_copy_that_recomputes_its_operand_keeps_the_operands_sources_live(act) -> None:
+    # XLA duplicates a cheap, effectively unary producer into each consumer it can fuse
+    # into: the transposed copy of the loss's cotangent (2 * x / n, for the last weight
+    # gradient) is computed from x, which lives until the copy is made. Without that:
+    # -2.7 % (ReLU, sin, abs), -4.0 % (exp).
+    step, args = residual_mlp(act, True)
+    xla = jaxmem.xla_peak_bytes(jax.jit(step).lower(*args).compile())
+    g = build_graph(jax.make_jaxpr(step)(*args))
+    peak = int(memory_model(g, ShapeDomain((), (), ()), backend="cpu").peak_bytes)
+    assert abs(peak - xla) / xla <= 0.005, (peak, xla)

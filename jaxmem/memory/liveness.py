@@ -98,7 +98,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     first_def, last_use = _definitions_and_uses(graph, order, owner, srcs, used, copied)
     convs = conv_copies(graph, order, size)
     for x in (*copies, *convs):  # a copied operand is read when its copy is made
-        for v in _copy_reads(graph, x, base, srcs, x in convs):
+        for v in _copy_reads(graph, x, base, srcs):
             last_use[v] = max(last_use.get(v, x.start), x.start)
     outputs = _output_buffers(graph, order, owner, first_def)
     reuse_end, in_output, taken = _shared_buffers(graph, order, owner, srcs, last_use,
@@ -119,14 +119,17 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
 
 
 def _copy_reads(graph: Graph, x: Extra, base: dict[int, int],
-                srcs: Callable[[int], frozenset[int]], duplicates: bool) -> frozenset[int]:
-    """The buffers copy ``x`` reads: its operand's (``base``: a head split's projection),
-    or, where ``duplicates`` and XLA duplicates the operand's producer into the copy (an
-    elementwise op, not expensive, effectively unary: ``materialised``'s rule), that
-    producer's sources, which then live until the copy is made."""
+                srcs: Callable[[int], frozenset[int]]) -> frozenset[int]:
+    """The buffers copy ``x`` (of a dot's or a convolution's operand) reads: its
+    operand's (``base``: a head split's projection), or, where XLA duplicates the
+    operand's producer into the copy (an elementwise op, not expensive, effectively
+    unary: ``materialised``'s rule), that producer's sources, which then live until the
+    copy is made (the loss's cotangent ``2 * x / n``: ``x`` lives on)."""
     v = base.get(x.value, x.value)
     prod = graph.producers.get(v)
-    node = graph.nodes[prod] if duplicates and prod is not None else None
+    while prod is not None and graph.nodes[prod].primitive == "name":  # checkpoint_name
+        prod = graph.producers.get(graph.nodes[prod].inputs[0])
+    node = graph.nodes[prod] if prod is not None else None
     if (node is None or node.kind != "elementwise" or node.primitive in EXPENSIVE
             or not effectively_unary(graph, node)):
         return frozenset((v,))
@@ -220,7 +223,7 @@ def _definitions_and_uses(graph: Graph, order: Sequence[int], owner: dict[int, i
         for i in n.inputs:
             o = owner.get(i, i)
             if o != -1:  # a buffer of its own (or a view of one): read in place
-                if (ni, o) not in copied:
+                if (ni, o) not in copied and (ni, i) not in copied:
                     last_use[o] = p  # positions only grow: the latest reader is the last
                 continue
             for s in srcs(i):
