@@ -31,6 +31,7 @@ from jaxmem.memory.fusion import (
     transposed_copies,
     used_nodes,
 )
+from jaxmem.memory.indices import batched_index_tuples
 from jaxmem.memory.precision import buffer_sizes, operand_copies
 from jaxmem.memory.random_bits import random_bits_counters, random_bits_sizes
 from jaxmem.memory.windows import conv_copies, max_pool_gradient_buffers, window_broadcasts
@@ -112,6 +113,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
               *convs,
               *window_broadcasts(graph, order, used, backend),
               *max_pool_gradient_buffers(graph, order, used, backend),
+              *batched_index_tuples(graph, order, backend),
               *random_bits_counters(graph, order, bits),
               *row_fusion_extras(graph, order, used, backend, fusions)):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
