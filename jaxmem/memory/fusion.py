@@ -99,7 +99,7 @@ def materialised(graph: Graph) -> dict[int, int]:
             duplicable = len(kinds) <= 1 or (n.primitive not in EXPENSIVE
                                              and "reduce" not in kinds
                                              and not low_precision_arithmetic(graph, n, o)
-                                             and effectively_unary(graph, n))
+                                             and _effectively_unary(graph, n))
             owner[o] = -1 if (fusible and duplicable) else o
     return owner
 
@@ -136,7 +136,7 @@ def _only_dots(graph: Graph, v: int) -> bool:
     return bool(users) and all(graph.nodes[u].primitive == "dot_general" for u in users)
 
 
-def effectively_unary(graph: Graph, node: Node) -> bool:
+def _effectively_unary(graph: Graph, node: Node) -> bool:
     """True when at most one operand has the result's rank and is not a broadcast.
 
     XLA duplicates such ops into every consumer without reading more memory

@@ -25,15 +25,15 @@ from jaxmem.graph import EXPENSIVE, Graph
 from jaxmem.memory.epilogues import epilogue_broadcasts
 from jaxmem.memory.fusion import (
     Extra,
-    effectively_unary,
+    element_count,
     is_head_split,
     materialised,
     transposed_copies,
     used_nodes,
 )
-from jaxmem.memory.indices import batched_index_tuples
 from jaxmem.memory.precision import buffer_sizes, operand_copies
 from jaxmem.memory.random_bits import random_bits_counters, random_bits_sizes
+from jaxmem.memory.scatters import batched_index_tuples, scattered_zeros
 from jaxmem.memory.windows import conv_copies, max_pool_gradient_buffers, window_broadcasts
 from jaxmem.memory.ynn import row_fused_sizes, row_fusion_extras, row_fusions
 
@@ -114,6 +114,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
               *window_broadcasts(graph, order, used, backend),
               *max_pool_gradient_buffers(graph, order, used, backend),
               *batched_index_tuples(graph, order, backend),
+              *scattered_zeros(graph, order, backend, owner),
               *random_bits_counters(graph, order, bits),
               *row_fusion_extras(graph, order, used, backend, fusions)):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
@@ -124,18 +125,22 @@ def _copy_reads(graph: Graph, x: Extra, base: dict[int, int],
                 srcs: Callable[[int], frozenset[int]]) -> frozenset[int]:
     """The buffers copy ``x`` (of a dot's or a convolution's operand) reads: its
     operand's (``base``: a head split's projection), or, where XLA duplicates the
-    operand's producer into the copy (an elementwise op, not expensive, effectively
-    unary: ``materialised``'s rule), that producer's sources, which then live until the
-    copy is made (the loss's cotangent ``2 * x / n``: ``x`` lives on)."""
+    operand's computation into the copy, that computation's sources, which then live
+    until the copy is made. XLA duplicates a cheap elementwise op whose fused work reads
+    one buffer of the operand's size (and smaller ones, broadcast): the loss's cotangent
+    ``2 * x / n`` (``x`` lives on), a log-softmax's gradient from the saved ``exp``."""
     v = base.get(x.value, x.value)
     prod = graph.producers.get(v)
     while prod is not None and graph.nodes[prod].primitive == "name":  # checkpoint_name
         prod = graph.producers.get(graph.nodes[prod].inputs[0])
     node = graph.nodes[prod] if prod is not None else None
-    if (node is None or node.kind != "elementwise" or node.primitive in EXPENSIVE
-            or not effectively_unary(graph, node)):
+    if node is None or node.kind != "elementwise" or node.primitive in EXPENSIVE:
         return frozenset((v,))
-    return frozenset().union(*[srcs(i) for i in node.inputs])
+    sources = frozenset().union(*[srcs(i) for i in node.inputs])
+    size = element_count(graph, v)
+    if sum(element_count(graph, s) == size for s in sources) > 1:
+        return frozenset((v,))
+    return sources
 
 
 def _copied_early(graph: Graph, order: Sequence[int], owner: dict[int, int],

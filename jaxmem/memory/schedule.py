@@ -33,9 +33,10 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-from jaxmem.graph import Graph, Node
+from jaxmem.graph import Graph
 from jaxmem.memory.fusion import dot_copies, materialised, used_nodes
 from jaxmem.memory.precision import converted_reads
+from jaxmem.memory.scatters import added_scatter
 from jaxmem.memory.windows import conv_copy_pairs
 
 #: backends whose XLA schedules breadth-first when the order is left to it
@@ -123,7 +124,7 @@ def _joins_consumer(graph: Graph, owner: dict[int, int], used: list[bool]) -> li
     """Per node, whether it runs with its first consumer rather than as an instruction of
     its own: a fused value, one computed from constants alone (a broadcast zero, an
     iota), which XLA folds into its consumer (a scatter into zeros becomes a ``pad``),
-    or a scatter into zeros only added to (:func:`_added_scatter`)."""
+    or a scatter into zeros only added to (:func:`~jaxmem.memory.scatters.added_scatter`)."""
     constant = graph.constant
     out = []
     for i, node in enumerate(graph.nodes):
@@ -131,7 +132,7 @@ def _joins_consumer(graph: Graph, owner: dict[int, int], used: list[bool]) -> li
             out.append(False)
         elif node.kind != "control" and not node.subgraphs and constant.issuperset(node.inputs):
             out.append(True)  # folded
-        elif _added_scatter(graph, node):
+        elif added_scatter(graph, node):
             out.append(True)
         else:
             outs = node.outputs
@@ -140,17 +141,6 @@ def _joins_consumer(graph: Graph, owner: dict[int, int], used: list[bool]) -> li
             else:
                 out.append(bool(outs) and all(owner.get(o, o) == -1 for o in outs))
     return out
-
-
-def _added_scatter(graph: Graph, node: Node) -> bool:
-    """Whether ``node`` scatters into zeros only to be added to: XLA's simplifier scatters
-    into the other summand instead (the cross-entropy gradient's ``-1`` at the labels,
-    which needs only the labels and would otherwise run first and live throughout)."""
-    if node.primitive != "scatter-add" or node.inputs[0] not in graph.constant:
-        return False
-    readers = graph.consumers.get(node.outputs[0], ())
-    return bool(readers) and all(graph.nodes[r].primitive in ("add", "add_any")
-                                 for r in readers)
 
 
 def _instruction_operands(graph: Graph, fused: list[bool]
