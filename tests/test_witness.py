@@ -64,9 +64,9 @@ def test_witness_is_counted_as_fallback() -> None:
 
 
 # A program whose live points cross (one larger at some sampled shapes, another at
-# others): the shortcut fires there. The small GPT did until session 25: its embedding
-# gradient's zeros, now live from the program's start (``scatters.scattered_zeros``),
-# leave one point above the others at every sampled shape.
+# others): the shortcut fires there. The small GPT and attention programs did until
+# session 25: the zeros their gradients scatter into, now live from the program's start
+# (``scatters.scattered_zeros``), leave one point above the others at every sample.
 @pytest.mark.parametrize("program", [small_llama_bf16])
 def test_frontier_shortcut_keeps_the_memory_model(program, monkeypatch) -> None:
     report = analyze_program(program())
