@@ -312,3 +312,16 @@ def test_bench_writes_only_where_told(bench: str, workload: Workload, tmp_path: 
     files = {p.name for p in out.iterdir()}
     assert f"{bench}.json" in files
     assert ("compare.md" if bench == "compare" else f"{bench}.txt") in files
+
+
+def test_sweep_bench_writes_its_figures(tmp_path: Path) -> None:
+    from bench import sweep
+
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["program"] for r in rows] == list(sweep.QUICK)
+    for r in rows:  # the error is computed from the two peaks, XLA's measured here
+        assert r["xla_peak_bytes"] > 0
+        assert r["error"] == (r["predicted_peak_bytes"] - r["xla_peak_bytes"]) / r["xla_peak_bytes"]
+    assert (tmp_path / "sweep.txt").read_text().splitlines()[-1].startswith("2 rows")
