@@ -59,15 +59,39 @@ def residual_mlp(act: Callable[[jax.Array], jax.Array], bias: bool
     return jax.grad(loss), ([layer] * 3, spec((8, 128, 64), jnp.float32))
 
 
-def measure(name: str, bias: bool) -> dict[str, Any]:
-    """XLA's peak and the model's for one activation, with or without biases."""
-    step, specs = residual_mlp(ACTIVATIONS[name], bias)
-    xla = jaxmem.xla_peak_bytes(jax.jit(step).lower(*specs).compile())
-    graph = build_graph(jax.make_jaxpr(step)(*specs))
+def against_xla(step: Callable[..., Any], args: Sequence[Any]) -> dict[str, Any]:
+    """XLA's peak of ``jax.jit(step)`` at ``args`` and the memory model's for the order
+    XLA's scheduler picks (no plan), with the relative error."""
+    xla = jaxmem.xla_peak_bytes(jax.jit(step).lower(*args).compile())
+    graph = build_graph(jax.make_jaxpr(step)(*args))
     dom = ShapeDomain.from_constraints((), ())
     predicted = int(memory_model(graph, dom, backend=jax.default_backend()).peak_bytes)
-    return {"activation": name, "bias": bias, "xla_peak_bytes": xla,
-            "predicted_peak_bytes": predicted, "error": (predicted - xla) / xla}
+    return {"xla_peak_bytes": xla, "predicted_peak_bytes": predicted,
+            "error": (predicted - xla) / xla}
+
+
+def peak_columns(row: dict[str, Any]) -> str:
+    """A row's XLA peak, predicted peak (MiB) and error, as table columns."""
+    return (f"{row['xla_peak_bytes'] / 2**20:8.2f} {row['predicted_peak_bytes'] / 2**20:14.2f} "
+            f"{row['error']:+7.1%}")
+
+
+def finish(log: TextTable, args: argparse.Namespace, rows: Sequence[dict[str, Any]],
+           noun: str, table: str) -> None:
+    """Logs the summary line (median and worst |error|, how many within 6 %), saves the
+    table as ``table`` and the rows as ``--out``."""
+    errors = [abs(r["error"]) for r in rows]
+    log(f"{len(rows)} {noun}: median |error| {statistics.median(errors):.1%}, worst "
+        f"{max(errors):.1%}, {sum(e <= 0.06 for e in errors)} within 6 %")
+    log.save(args, table)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"rows": list(rows)}, indent=1))
+
+
+def measure(name: str, bias: bool) -> dict[str, Any]:
+    """XLA's peak and the model's for one activation, with or without biases."""
+    return {"activation": name, "bias": bias,
+            **against_xla(*residual_mlp(ACTIVATIONS[name], bias))}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -82,14 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for bias in (False, True):
             row = measure(name, bias)
             rows.append(row)
-            log(f"{name:11s} {'yes' if bias else 'no':4s} {row['xla_peak_bytes'] / 2**20:8.2f} "
-                f"{row['predicted_peak_bytes'] / 2**20:14.2f} {row['error']:+7.1%}")
-    errors = [abs(r["error"]) for r in rows]
-    log(f"{len(rows)} steps: median |error| {statistics.median(errors):.1%}, worst "
-        f"{max(errors):.1%}, {sum(e <= 0.06 for e in errors)} within 6 %")
-    log.save(args, "residual_mlps.txt")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
+            log(f"{name:11s} {'yes' if bias else 'no':4s} {peak_columns(row)}")
+    finish(log, args, rows, "steps", "residual_mlps.txt")
     return 0
 
 

@@ -20,10 +20,7 @@ test). Prints a table and writes ``{"rows": [...]}`` (``program``, ``shape``,
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -31,11 +28,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import jaxmem
 from bench.outputs import TextTable, add_output_arguments
-from jaxmem.graph import build_graph
-from jaxmem.memory import memory_model
-from jaxmem.symbolic import ShapeDomain
+from bench.residual_mlps import against_xla, finish, peak_columns
 
 Step = tuple[Callable[..., Any], Callable[[int, int], tuple[Any, ...]]]
 
@@ -171,13 +165,7 @@ def measure(name: str, shape: tuple[int, int]) -> dict[str, Any]:
         True
     """
     step, make = PROGRAMS[name][0]()
-    args = make(*shape)
-    xla = jaxmem.xla_peak_bytes(jax.jit(step).lower(*args).compile())
-    graph = build_graph(jax.make_jaxpr(step)(*args))
-    model = memory_model(graph, ShapeDomain((), (), ()), backend=jax.default_backend())
-    predicted = int(model.peak_bytes)
-    return {"program": name, "shape": list(shape), "xla_peak_bytes": xla,
-            "predicted_peak_bytes": predicted, "error": (predicted - xla) / xla}
+    return {"program": name, "shape": list(shape), **against_xla(step, make(*shape))}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -192,14 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for shape in PROGRAMS[name][1][:1 if args.quick else 2]:
             row = measure(name, shape)
             rows.append(row)
-            log(f"{name:16s} {str(shape):9s} {row['xla_peak_bytes'] / 2**20:8.2f} "
-                f"{row['predicted_peak_bytes'] / 2**20:14.2f} {row['error']:+7.1%}")
-    errors = [abs(r["error"]) for r in rows]
-    log(f"{len(rows)} rows: median |error| {statistics.median(errors):.1%}, worst "
-        f"{max(errors):.1%}, {sum(e <= 0.06 for e in errors)} within 6 %")
-    log.save(args, "sweep.txt")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
+            log(f"{name:16s} {str(shape):9s} {peak_columns(row)}")
+    finish(log, args, rows, "rows", "sweep.txt")
     return 0
 
 

@@ -150,8 +150,8 @@ def max_pool_gradient_buffers(graph: Graph, order: Sequence[int], used: Sequence
         if node.primitive != "select_and_scatter_add" or not used[ni] or len(node.inputs) != 2:
             continue
         source, operand = (graph.values[v] for v in node.inputs)
-        elems, pooled, rank = sympy.Mul(*operand.shape), sympy.Mul(*source.shape), \
-            len(operand.shape)
+        elems, pooled, rank = (sympy.Mul(*operand.shape), sympy.Mul(*source.shape),
+                               len(operand.shape))
         itemsize = operand.nbytes / elems
         producer = graph.producers.get(operand.id)
         window, p = (0 if producer is None else pos[producer] + 1), pos[ni]
