@@ -8,10 +8,10 @@ instruction joining the queue once its last operand has run. The order differs
 from the jaxpr's where it matters for memory: every optimizer update runs as soon
 as its gradient exists (so its output buffer is written, and the gradient freed,
 during the backward pass, not after it), and ops that read only parameters (the
-low-precision copies of the weights) run first; a copy XLA makes of a dot's operand
-(a transposed copy, a float32 convert) is an instruction of its own, so a weight
-gradient's dot runs after the input gradient's dot reading the same cotangent in
-place. :func:`xla_order` replays that queue on the graph's materialised ops; fused
+low-precision copies of the weights) run first; a copy XLA makes of a dot's or a
+convolution's operand (a transposed copy, a float32 convert) is an instruction of its
+own, so a weight gradient's dot runs after the input gradient's dot reading the same
+cotangent in place. :func:`xla_order` replays that queue on the graph's materialised ops; fused
 values run with their first consumer. Other backends schedule by memory (GPU: a
 list scheduler minimising it), for which program order stays the model.
 
@@ -101,15 +101,15 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
 def _copy_instructions(graph: Graph, preds: list[tuple[int, ...]],
                        through: dict[int, set[int]], pairs: Sequence[tuple[int, int]]
                        ) -> list[tuple[int, ...]]:
-    """The copies XLA makes of dot operands (``pairs``: transposed copies, float32
-    converts) as instructions of its queue, numbered from ``len(preds)`` on: makes each
-    dot in ``preds`` wait for its copies and returns what each copy waits for. A copy
-    takes a turn of the queue, so a weight gradient's dot, which reads its operand
-    through one, runs after the input gradient's dot that reads the same cotangent in
-    place (a residual MLP's activation then lives until the input gradient is written:
-    ReLU with biases, -13.5 -> -2.7 %). XLA computes an elementwise operand's copy from
-    the operand's own sources (a sibling fusion), so that copy waits for those, not for
-    the operand."""
+    """The copies XLA makes of dot and convolution operands (``pairs``: transposed copies,
+    float32 converts, convolution layouts) as instructions of its queue, numbered from
+    ``len(preds)`` on: makes each dot in ``preds`` wait for its copies and returns what
+    each copy waits for. A copy takes a turn of the queue, so a weight gradient's dot,
+    which reads its operand through one, runs after the input gradient's dot that reads
+    the same cotangent in place (a residual MLP's activation then lives until the input
+    gradient is written: ReLU with biases, -13.5 -> -2.7 %). XLA computes an elementwise
+    operand's copy from the operand's own sources (a sibling fusion), so that copy waits
+    for those, not for the operand."""
     n, copies = len(preds), {}
     producers, nodes = graph.producers, graph.nodes
     for ni, v in pairs:
