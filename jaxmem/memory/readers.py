@@ -3,7 +3,9 @@
 :func:`jaxmem.memory.fusion.materialised` recomputes a cheap element-wise value in
 each reader, as XLA's fusion pass does. Two kinds it must keep instead:
 :func:`erfc_shared_exps`, whose readers XLA's CSE adds, and
-:func:`low_precision_arithmetic`, which XLA's CPU backend does not duplicate.
+:func:`low_precision_arithmetic`, which XLA's CPU backend does not duplicate. And one
+count behind a duplication: :func:`distinct_full_operands`, an op's operands as XLA's
+CSE leaves them.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -15,6 +17,10 @@ Example:
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sympy
 
 from jaxmem.graph import Graph, Node
 
@@ -57,3 +63,28 @@ def erfc_shared_exps(graph: Graph) -> frozenset[int]:
         if negated is not None and source(negated, "square") in erfc_inputs:
             out.update(n.outputs)
     return frozenset(out)
+
+
+#: elementwise primitives whose operands XLA's CSE compares as a multiset
+_COMMUTATIVE = frozenset({"add", "add_any", "mul", "max", "min", "and", "or", "xor", "eq", "ne"})
+
+
+def distinct_full_operands(graph: Graph, inputs: Sequence[int], size: sympy.Expr
+                           ) -> set[object]:
+    """The operands of ``size`` elements of an op, as XLA's CSE leaves them (``x * y`` and
+    ``y * x`` are one; broadcasts are left out). XLA duplicates an op whose operands are
+    one into every consumer: ``x * x``'s gradient ``ct * x + x * ct`` is computed from
+    ``ct`` and ``x`` again in its transposed copy (measured, jax 0.10.2)."""
+    keys: set[object] = set()
+    for u in dict.fromkeys(inputs):
+        if sympy.Mul(*graph.values[u].shape) != size:  # (fusion.element_count)
+            continue
+        p = graph.producers.get(u)
+        node = graph.nodes[p] if p is not None else None
+        if node is None or node.kind != "elementwise":
+            keys.add(u)
+        elif node.primitive != "broadcast_in_dim":
+            ins = tuple(node.inputs)
+            keys.add((node.primitive, node.params,
+                      tuple(sorted(ins)) if node.primitive in _COMMUTATIVE else ins))
+    return keys
