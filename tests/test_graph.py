@@ -187,3 +187,23 @@ def test_no_warning_for_known_primitives() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", jaxmem.JaxmemWarning)
         build_graph(jax.make_jaxpr(p.step)(*p.symbolic_args()))
+
+
+def _interleaved_rope(x):
+    x1, x2 = x[..., ::2], x[..., 1::2]  # jnp.stack and its transpose, unstack
+    return jnp.stack([x1 * 0.5 - x2 * 0.8, x1 * 0.8 + x2 * 0.5], -1).reshape(x.shape)
+
+
+def _cond_loss(x, flag):  # the gradient of a cond allocates with empty2
+    return jax.lax.cond(flag > 0, lambda h: jnp.mean(jnp.sin(h) ** 2),
+                        lambda h: jnp.zeros((), h.dtype), x)
+
+
+@pytest.mark.parametrize("fn", [lambda x, _: jnp.tanh(_interleaved_rope(x)).sum(), _cond_loss])
+def test_stack_unstack_and_empty_are_known(fn, dims) -> None:
+    # JAX 0.10's jnp.stack, its transpose and a cond gradient's allocation: an unknown
+    # primitive would warn (and be counted as an opaque op).
+    b, _ = dims
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmem.JaxmemWarning)
+        graph_of(jax.grad(fn), spec(b, 64), jax.ShapeDtypeStruct((), jnp.int32))

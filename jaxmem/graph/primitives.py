@@ -22,7 +22,7 @@ sub tan tanh xor broadcast_in_dim iota transpose slice concatenate pad rev dynam
 squeeze expand_dims random_wrap random_unwrap random_seed threefry2x32
 clz conj complex real imag select_and_gather_add polygamma igamma igammac bessel_i0e
 bessel_i1e zeta regularized_incomplete_beta random_fold_in random_split convert split
-one_minus_square tile
+one_minus_square tile stack unstack empty empty2
 """.split())
 # Elementwise primitives XLA's fusion pass will not duplicate into several consumers
 # (``InstructionFusion::IsExpensive``: transcendental functions, float division, RNG);
