@@ -104,7 +104,8 @@ def trace(fn: Callable[..., Any], *specs: Any) -> Traced:
 
     Raises:
         SymbolicError: tracing needs a comparison of dims the constraints do not
-            settle; the message names it and the constraint to add.
+            settle (the message names it and the constraint to add), or JAX cannot
+            trace an op with a symbolic size (the message names the dims).
     """
     flat, in_tree = jax.tree_util.tree_flatten(specs)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(specs)[0]]
@@ -113,12 +114,29 @@ def trace(fn: Callable[..., Any], *specs: Any) -> Traced:
     try:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     except Exception as e:  # JAX raises a plain subclass of core.InconclusiveDimensionOperation
-        if type(e).__name__ != "InconclusiveDimensionOperation":
+        if type(e).__name__ == "InconclusiveDimensionOperation":
+            raise _inconclusive(e) from e
+        unsupported = _unsupported(e, symbols_of(flat)[0])
+        if unsupported is None:
             raise
-        raise _inconclusive(e) from e
+        raise unsupported from e
     symbols, constraints = symbols_of(flat)
     return Traced(closed, tuple(flat), in_tree, jax.tree_util.tree_structure(out_shape),
                   symbols, constraints)
+
+
+def _unsupported(e: Exception, symbols: Sequence[str]) -> JaxmemError | None:
+    """An op JAX cannot trace with a symbolic size (``lax.associative_scan`` over a
+    symbolic axis: ``NotImplementedError``), named with the dims it saw, or None."""
+    msg = str(e)
+    named = [d for d in symbols if re.search(rf"(?<![\w/]){re.escape(d)}(?![\w/])", msg)]
+    if not isinstance(e, NotImplementedError) or not named:
+        return None
+    dims = ", ".join(named)
+    return SymbolicError(
+        f"JAX cannot trace the function with the symbolic dim(s) {dims}: {msg.splitlines()[0]} "
+        f"Give {dims} a fixed size in polymorphic_shapes (one compile per value), or rewrite "
+        "the op without it.")
 
 
 def _inconclusive(e: Exception) -> JaxmemError:

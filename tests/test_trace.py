@@ -60,6 +60,14 @@ def test_inconclusive_comparison_becomes_symbolic_error() -> None:
     assert "'b' > 's'" in msg and 'Add the constraint "b > s"' in msg
 
 
+def test_an_op_jax_cannot_trace_symbolically_names_the_dim() -> None:
+    b, t = jax.export.symbolic_shape("b, t", constraints=("t <= 1024",))
+    with pytest.raises(SymbolicError, match=r"symbolic dim\(s\) t: associative scan") as info:
+        trace(lambda x: jax.lax.associative_scan(jnp.add, x, axis=1),
+              jax.ShapeDtypeStruct((b, t), jnp.float32))
+    assert "polymorphic_shapes" in str(info.value)
+
+
 def test_other_errors_pass_through() -> None:
     (b,) = jax.export.symbolic_shape("b")
     with pytest.raises(TypeError):
