@@ -1,14 +1,15 @@
-"""The memory model on steps from session 25's sweep of programs written apart.
+"""The memory model on steps from the sweeps of programs written apart (sessions 25, 26).
 
-Six training steps unlike the project's decoders, each the kind of program that
-exposed a rule of XLA's CPU backend the model lacked (``docs/notes.md``, "Session 25"):
+Seven training steps unlike the project's decoders, each the kind of program that
+exposed a rule of XLA's CPU backend the model lacked (``docs/notes.md``, "Session 25"
+and "Session 26"):
 a linen convolutional autoencoder with max pooling and ``ConvTranspose`` under Adam, a
 convolution's two gradients, ``lax.top_k`` and ``jnp.sort`` pooling, an
 ``optax.chain(clip_by_global_norm, adamw)`` step with a schedule, an embedding language
-model with a log-softmax loss, and ``jnp.take`` with ``cumsum`` positions and a one-hot
-loss. For each, at two shapes: XLA's peak of ``jax.jit(step)`` (``argument + output -
-alias + temp``) against the memory model's prediction for the order XLA's CPU scheduler
-picks (no plan: level 0).
+model with a log-softmax loss, ``jnp.take`` with ``cumsum`` positions and a one-hot
+loss, and a GRU scanned over a symbolic length. For each, at two shapes: XLA's peak of
+``jax.jit(step)`` (``argument + output - alias + temp``) against the memory model's
+prediction for the order XLA's CPU scheduler picks (no plan: level 0).
 
     python -m bench.sweep [--quick] --out bench/results/sweep.json
 
@@ -144,6 +145,34 @@ def take_cumsum() -> Step:
         params, opt.init(params), jax.random.randint(jax.random.PRNGKey(b + s), (b, s), 0, 80))
 
 
+def gru_scan() -> Step:
+    """A GRU run by ``lax.scan`` over time (the length is the dim), masked mean pooling,
+    a softmax loss; Adam. From session 26's sweep: its input projection ``x @ w + b``
+    feeds the loop, and each stacked output is allocated at the start."""
+    hidden = 96
+    params = {"wx": _normal(0, 24, 3 * hidden), "wh": _normal(1, hidden, 3 * hidden),
+              "b": jnp.zeros(3 * hidden), "out": _normal(2, hidden, 6)}
+
+    def loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        xs = jnp.swapaxes(x, 0, 1) @ p["wx"] + p["b"]
+
+        def cell(h: jax.Array, xp: jax.Array) -> tuple[jax.Array, jax.Array]:
+            xr, xz, xn = jnp.split(xp, 3, -1)
+            hr, hz, hn = jnp.split(h @ p["wh"], 3, -1)
+            r, z = jax.nn.sigmoid(xr + hr), jax.nn.sigmoid(xz + hz)
+            h = (1 - z) * jnp.tanh(xn + r * hn) + z * h
+            return h, h
+
+        _, hs = jax.lax.scan(cell, jnp.zeros((x.shape[0], hidden)), xs)
+        logits = hs.mean(0) @ p["out"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    opt = optax.adam(2e-3)
+    return _with_optimizer(loss, opt), lambda b, t: (
+        params, opt.init(params), jax.random.normal(jax.random.PRNGKey(b + t), (b, t, 24)),
+        jnp.arange(b) % 6)
+
+
 #: program -> (step maker, its two shapes).
 PROGRAMS: dict[str, tuple[Callable[[], Step], tuple[tuple[int, int], ...]]] = {
     "autoencoder": (autoencoder, ((2, 4), (8, 16))),
@@ -152,6 +181,7 @@ PROGRAMS: dict[str, tuple[Callable[[], Step], tuple[tuple[int, int], ...]]] = {
     "optax-chain": (optax_chain, ((4, 64), (8, 128))),
     "embedding-lm": (embedding_lm, ((2, 32), (4, 64))),
     "take-cumsum": (take_cumsum, ((4, 40), (8, 256))),
+    "gru-scan": (gru_scan, ((8, 20), (32, 200))),
 }
 QUICK = ("conv-gradients", "sort-pooling")
 
