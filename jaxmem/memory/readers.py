@@ -3,9 +3,9 @@
 :func:`jaxmem.memory.fusion.materialised` recomputes a cheap element-wise value in
 each reader, as XLA's fusion pass does. Two kinds it must keep instead:
 :func:`erfc_shared_exps`, whose readers XLA's CSE adds, and
-:func:`low_precision_arithmetic`, which XLA's CPU backend does not duplicate. And one
-count behind a duplication: :func:`distinct_full_operands`, an op's operands as XLA's
-CSE leaves them.
+:func:`low_precision_arithmetic`, which XLA's CPU backend does not duplicate. The
+other way round, :func:`distinct_full_operands` counts an op's operands as XLA's CSE
+leaves them: an op whose operands are one XLA does duplicate.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -77,7 +77,7 @@ def distinct_full_operands(graph: Graph, inputs: Sequence[int], size: sympy.Expr
     ``ct`` and ``x`` again in its transposed copy (measured, jax 0.10.2)."""
     keys: set[object] = set()
     for u in dict.fromkeys(inputs):
-        if sympy.Mul(*graph.values[u].shape) != size:  # (fusion.element_count)
+        if sympy.Mul(*graph.values[u].shape) != size:  # fusion.element_count; no cycle
             continue
         p = graph.producers.get(u)
         node = graph.nodes[p] if p is not None else None
