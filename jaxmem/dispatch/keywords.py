@@ -105,11 +105,15 @@ class KeywordCalls:
     def route(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, tuple]:
         """The jitted function that runs ``fun(*args, **kwargs)``, and its arguments."""
         key = keyword_key(len(args), kwargs, self.static_argnames)
-        with self._lock:
-            if key not in self.made:
-                self.made[key] = self.make(with_keywords(self.fun, dict(key[1])),
-                                           keyword_settings(self.settings, len(args), key[2]))
-        return self.made[key], (*args, dynamic_keywords(kwargs, self.static_argnames))
+        made = self.made.get(key)  # the lock only where a signature is new
+        if made is None:
+            with self._lock:
+                if key not in self.made:
+                    self.made[key] = self.make(with_keywords(self.fun, dict(key[1])),
+                                               keyword_settings(self.settings, len(args),
+                                                                key[2]))
+                made = self.made[key]
+        return made, (*args, dynamic_keywords(kwargs, self.static_argnames))
 
 
 def routes_keywords(lead: int = 0) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

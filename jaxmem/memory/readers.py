@@ -85,6 +85,14 @@ def distinct_full_operands(graph: Graph, inputs: Sequence[int], size: sympy.Expr
             keys.add(u)
         elif node.primitive != "broadcast_in_dim":
             ins = tuple(node.inputs)
-            keys.add((node.primitive, node.params,
+            keys.add((node.primitive, _all_params(node),
                       tuple(sorted(ins)) if node.primitive in _COMMUTATIVE else ins))
     return keys
+
+
+def _all_params(node: Node) -> str:
+    """Every parameter of ``node``'s equation (``Node.params`` keeps only those later
+    stages read: ``x ** 2`` and ``x ** 3`` must not be one to CSE)."""
+    if node.eqn is None:
+        return repr(node.params)
+    return repr(sorted(node.eqn.params.items()))
