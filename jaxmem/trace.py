@@ -45,10 +45,12 @@ class Traced:
 def _as_spec(x: Any, path: str) -> jax.ShapeDtypeStruct:
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    if hasattr(x, "shape") and hasattr(x, "dtype"):  # weak types promote as jax.jit's do
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None),
+                                    weak_type=getattr(x, "weak_type", False))
     if isinstance(x, (bool, int, float, complex, np.number)):
-        return jax.ShapeDtypeStruct((), jax.numpy.asarray(x).dtype)
+        return jax.ShapeDtypeStruct((), jax.numpy.asarray(x).dtype,
+                                    weak_type=not isinstance(x, np.number))
     raise ShapeOutOfRangeError(
         f"argument {path} is a {type(x).__name__}, not an array or jax.ShapeDtypeStruct; "
         "pass arrays, ShapeDtypeStructs or scalars (use static_argnums for other values)")

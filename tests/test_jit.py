@@ -8,6 +8,7 @@ and independently by JAX's ``/jax/core/compile/backend_compile_duration`` event.
 from __future__ import annotations
 
 import threading
+import warnings
 
 import equinox as eqx
 import jax
@@ -206,6 +207,32 @@ def _keyword_step(w: jax.Array, x: jax.Array, lr: float = 0.1, power: int = 2,
 
     value, g = jax.value_and_grad(loss)(w)
     return w - lr * g, value
+
+
+def _tempered_step(scale, w, x):
+    def loss(scale, w):
+        zi = jax.nn.gelu(x @ w)
+        zi = zi / jnp.linalg.norm(zi, axis=-1, keepdims=True)
+        zt = jax.nn.gelu(x[:, ::-1] @ w)
+        zt = zt / jnp.linalg.norm(zt, axis=-1, keepdims=True)
+        return jax.nn.logsumexp(jnp.exp(scale) * zi @ zt.T, -1).mean()
+
+    value, (gs, gw) = jax.value_and_grad(loss, argnums=(0, 1))(scale, w)
+    return scale - 0.1 * gs, w - 0.1 * gw, value
+
+
+def test_a_weakly_typed_scalar_argument_keeps_every_levels_residuals():
+    # jnp.array(jnp.log(10.0)) is weakly typed; traced strong, its residual
+    # exp(scale) * z had another name than in the concrete trace and stayed saved.
+    scale = jnp.array(jnp.log(10.0))
+    args = (scale, jnp.ones((32, 64)) * 0.1, jnp.ones((256, 32)))
+    f = jaxmem.jit(_tempered_step, polymorphic_shapes=(None, None, "b, 32"),
+                   constraints=("b <= 512",))
+    assert scale.weak_type and len(f.plans(*args).levels) > 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmem.JaxmemWarning)
+        for k in range(len(f.plans(*args).levels)):
+            f.compile_level(k, *args)
 
 
 def test_keyword_arguments_as_jax_jit_takes_them():

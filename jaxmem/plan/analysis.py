@@ -185,7 +185,7 @@ def _symbolic_specs(dynamic: tuple[Any, ...], leaves_with_path: Sequence[Any], p
         raise ShapeOutOfRangeError(f"cannot use polymorphic_shapes {polymorphic_shapes!r} with "
                                    f"constraints {tuple(constraints)!r} on these arguments: "
                                    f"{e}") from e
-    spec_leaves = jax.tree_util.tree_leaves(specs)
+    spec_leaves, spec_tree = jax.tree_util.tree_flatten(specs)
     for (path, leaf), spec in zip(leaves_with_path, spec_leaves, strict=True):
         shape = tuple(getattr(leaf, "shape", ()))
         if len(spec.shape) != len(shape):
@@ -193,7 +193,13 @@ def _symbolic_specs(dynamic: tuple[Any, ...], leaves_with_path: Sequence[Any], p
                 f"args{jax.tree_util.keystr(path)} has rank {len(shape)} (shape {shape}), but "
                 f"polymorphic_shapes declares {format_shape(spec.shape)} of rank "
                 f"{len(spec.shape)}")
-    return specs
+    # symbolic_args_specs drops weak_type: a weakly typed scalar (a learned temperature,
+    # jnp.array(jnp.log(10.0))) would trace strong here and weak in the concrete trace,
+    # whose residuals then have other names than the plans' (they would stay saved).
+    weak = [getattr(x, "weak_type", False) for x in jax.tree_util.tree_leaves(examples)]
+    return jax.tree_util.tree_unflatten(spec_tree, [
+        jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding, weak_type=True) if w else s
+        for s, w in zip(spec_leaves, weak, strict=True)])
 
 
 def _is_arraylike(x: Any) -> bool:
