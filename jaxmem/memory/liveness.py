@@ -22,13 +22,13 @@ import jax
 import sympy
 
 from jaxmem.graph import EXPENSIVE, Graph
+from jaxmem.memory.columns import column_broadcasts, column_sums, library_owner
 from jaxmem.memory.epilogues import epilogue_broadcasts
 from jaxmem.memory.fillers import stacked_outputs
 from jaxmem.memory.fusion import (
     Extra,
     element_count,
     is_head_split,
-    materialised,
     transposed_copies,
     used_nodes,
 )
@@ -75,7 +75,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
         backend: the JAX platform whose XLA rules apply (``jax.default_backend()``
             when None): on CPU, low-precision dots take float32 buffers
             (:mod:`jaxmem.memory.precision`).
-        owner: ``materialised(graph)``, when the caller has it.
+        owner: ``library_owner(graph, backend, used)``, when the caller has it.
         used: ``used_nodes(graph)``, when the caller has it.
         pairs: ``dot_copies(graph, owner, used)``, when the caller has them.
 
@@ -89,8 +89,8 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     """
     order = list(range(len(graph.nodes))) if order is None else list(order)
     backend = backend or jax.default_backend()
-    owner = materialised(graph) if owner is None else owner
     used = used_nodes(graph) if used is None else used
+    owner = library_owner(graph, backend, used) if owner is None else owner
     widened, fusions = buffer_sizes(graph, owner, backend), row_fusions(graph, used, backend)
     bits = random_bits_sizes(graph, backend)
     sizes = {**widened, **row_fused_sizes(graph, owner, widened, backend, fusions), **bits}
@@ -120,7 +120,8 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
               *batched_index_tuples(graph, order, backend),
               *scattered_zeros(graph, order, backend, owner),
               *random_bits_counters(graph, order, bits),
-              *row_fusion_extras(graph, order, used, backend, fusions)):
+              *row_fusion_extras(graph, order, used, backend, fusions),
+              *column_broadcasts(graph, order, column_sums(graph, used, backend))):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
     return tuple(buffers)
 

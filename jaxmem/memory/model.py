@@ -46,8 +46,9 @@ import sympy
 from jaxmem.fastexpr import pairs_at
 from jaxmem.graph import Graph, scan_counts
 from jaxmem.memory.assign import assignment_peak
+from jaxmem.memory.columns import library_owner
 from jaxmem.memory.frontier import candidate_points, max_expr, to_expr
-from jaxmem.memory.fusion import dot_copies, materialised, used_nodes
+from jaxmem.memory.fusion import dot_copies, used_nodes
 from jaxmem.memory.liveness import Buffer, liveness
 from jaxmem.memory.points import live_table
 from jaxmem.memory.schedule import xla_order
@@ -254,7 +255,8 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
     backend = backend or jax.default_backend()
     # Which values XLA materialises, and which ops are live: once per model, as both the
     # order and the live ranges need them (they were a fifth of a model's time).
-    owner, used = materialised(graph), used_nodes(graph)
+    used = used_nodes(graph)
+    owner = library_owner(graph, backend, used)
     pairs = dot_copies(graph, owner, used)
     order = xla_order(graph, backend, owner, used, pairs) if order is None else list(order)
     buffers = liveness(graph, order, backend, owner, used, pairs)

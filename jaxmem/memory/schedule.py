@@ -34,7 +34,8 @@ import collections
 from collections.abc import Sequence
 
 from jaxmem.graph import Graph
-from jaxmem.memory.fusion import dot_copies, materialised, used_nodes
+from jaxmem.memory.columns import library_owner
+from jaxmem.memory.fusion import dot_copies, used_nodes
 from jaxmem.memory.precision import converted_reads
 from jaxmem.memory.scatters import added_scatter
 from jaxmem.memory.windows import conv_copy_pairs
@@ -51,7 +52,7 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
     Args:
         graph: the graph.
         backend: a JAX platform name.
-        owner: ``materialised(graph)``, when the caller has it.
+        owner: ``library_owner(graph, backend, used)``, when the caller has it.
         used: ``used_nodes(graph)``, when the caller has it.
         pairs: ``dot_copies(graph, owner, used)``, when the caller has them.
 
@@ -62,8 +63,8 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
     n = len(graph.nodes)
     if backend not in BFS_BACKENDS or n == 0:
         return list(range(n))
-    owner = materialised(graph) if owner is None else owner
     used = used_nodes(graph) if used is None else used
+    owner = library_owner(graph, backend, used) if owner is None else owner
     fused = _joins_consumer(graph, owner, used)
     preds, fused_in, through = _instruction_operands(graph, fused)
     pairs = [*(dot_copies(graph, owner, used) if pairs is None else pairs),

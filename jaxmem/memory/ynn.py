@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 
 import sympy
 
-from jaxmem.graph import Graph
+from jaxmem.graph import Graph, Node
 from jaxmem.memory.fusion import Extra, used_nodes
 from jaxmem.memory.library import LIBRARY_ELEMENTWISE, constant_operands, constant_readers
 
@@ -135,6 +135,34 @@ def row_fused_sizes(graph: Graph, owner: Mapping[int, int], widened: Mapping[int
         return {}
     return {v: sympy.expand(widened.get(v, graph.values[v].nbytes) * factor)
             for v, factor in row_fused_dots(graph, owner, fusions=fusions).items()}
+
+
+def centred_values(graph: Graph, owner: Mapping[int, int], used: Sequence[bool],
+                   fusions: list[RowFusion]) -> dict[int, int]:
+    """A mean's ``x - mean`` that its row sum's fusion ends in: value -> the buffer holding it.
+
+    The fusion grows down from the mean through the ``sub``, whose readers (the
+    variance, the normalised output, the backward pass) are elsewhere, so XLA writes it
+    to a buffer, where :func:`~jaxmem.memory.fusion.materialised` recomputes it in each
+    reader from ``x`` (measured, jax 0.10.2: a LayerNorm's ``ynn_fusion`` of ``f32[16,
+    1000, 64]``, and the dot before it when one is fused in; at 1000 rows too, as a loop
+    fusion). The jaxpr's second ``x - mean`` (for the output) is the same op to XLA's
+    CSE, so it reads the same buffer.
+    """
+    out: dict[int, int] = {}
+    for reduction, fused, _, _ in fusions:
+        shape = graph.values[graph.nodes[reduction].inputs[0]].shape
+        for ni in fused:
+            node = graph.nodes[ni]
+            v = node.outputs[0]
+            if (node.primitive != "sub" or owner.get(v, v) != -1 or graph.values[v].shape != shape
+                    or all(u in fused for u in graph.consumers.get(v, ()) if used[u])):
+                continue
+            out[v] = v
+            twins = {u for x in node.inputs for u in graph.consumers.get(x, ())
+                     if u != ni and used[u] and _same_op(graph, u, ni)}
+            out.update({graph.nodes[u].outputs[0]: v for u in twins})
+    return out
 
 
 def _same_op(graph: Graph, a: int, b: int) -> bool:
@@ -286,7 +314,10 @@ def shared_row_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[boo
     ``wrapped_broadcast`` fusions at (8, 512), none at (4, 256), whose norms sum 1024
     rows). Gated on the rows reaching :data:`YNN_MIN_ROWS`. A bfloat16 norm's scale is
     broadcast in float32, the precision XLA CPU computes it in (the bf16 GPT's
-    ``convert_broadcast_fusion`` operands).
+    ``convert_broadcast_fusion`` operands). A float32 norm's gradient that is a sum of
+    cotangents (``add_any``: a Llama's q/k/v or gate/up inputs) is multiplied by the scale
+    in a loop fusion that reads the vector itself, so only the forward pass reads its
+    broadcast there (:func:`_reads_broadcast_scale`).
     """
     if backend != "cpu":
         return []
@@ -301,7 +332,8 @@ def shared_row_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[boo
         if not used[n.index] or n.kind != "elementwise" or len(n.outputs) != 1:
             continue
         out = graph.values[n.outputs[0]]
-        if out.dtype not in ("float32", "bfloat16") or out.shape not in summed:
+        if (out.dtype not in ("float32", "bfloat16") or out.shape not in summed
+                or (out.dtype == "float32" and not _reads_broadcast_scale(graph, n))):
             continue
         for v in n.inputs:  # a vector it reads broadcast along its rows
             if graph.values[v].shape == out.shape:
@@ -319,6 +351,16 @@ def shared_row_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[boo
         nbytes = sympy.expand(4 * sympy.Mul(*shape) * from_rows(rows))
         out.append(Extra(src, nbytes, start, max(at), "norm scale broadcast"))
     return out
+
+
+def _reads_broadcast_scale(graph: Graph, node: Node) -> bool:
+    """Whether float32 ``node`` reads a norm scale's shared broadcast: a ``mul``, and not by
+    a cotangent sum (measured, the 4-layer Llama at (8, 512): its norms' backward
+    ``dy * scale`` is a loop fusion reading the parameter, and the broadcast lives only
+    through the forward pass)."""
+    return node.primitive == "mul" and not any(
+        graph.producers.get(v) is not None
+        and graph.nodes[graph.producers[v]].primitive == "add_any" for v in node.inputs)
 
 
 def _vector_source(graph: Graph, v: int, width: sympy.Expr, hops: int = 3) -> int | None:
