@@ -253,8 +253,7 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
         A :class:`MemoryModel`.
     """
     backend = backend or jax.default_backend()
-    # Which values XLA materialises, and which ops are live: once per model, as both the
-    # order and the live ranges need them (they were a fifth of a model's time).
+    # What XLA materialises and which ops are live, once: the order and ranges both need them.
     used = used_nodes(graph)
     owner = library_owner(graph, backend, used)
     pairs = dot_copies(graph, owner, used)
