@@ -34,7 +34,9 @@ lgamma digamma log log1p logistic pow rem rsqrt sin sinh sqrt tan tanh polygamma
 igammac bessel_i0e bessel_i1e zeta regularized_incomplete_beta threefry2x32
 random_fold_in random_split random_seed
 """.split())
-VIEW = frozenset("reshape name bitcast_convert_type optimization_barrier".split())
+# ``pvary`` (``jax.shard_map``'s marking of a value as varying over a mesh axis) emits
+# no op.
+VIEW = frozenset("reshape name bitcast_convert_type optimization_barrier pvary".split())
 REDUCE = frozenset("""
 reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin
 """.split())
@@ -44,7 +46,8 @@ OPAQUE = frozenset("""
 dot_general conv_general_dilated sort gather cumsum cumprod cummax cummin cumlogsumexp
 reduce_window reduce_window_sum reduce_window_max reduce_window_min select_and_scatter_add
 rng_bit_generator rng_uniform fft cholesky triangular_solve lu qr svd eigh eig custom_call
-argsort top_k random_bits dim_as_value all_reduce psum all_gather reduce_scatter ppermute all_to_all
+argsort top_k random_bits dim_as_value all_reduce psum psum_invariant all_gather reduce_scatter
+ppermute all_to_all
 approx_top_k tridiagonal_solve householder_product schur platform_index sharding_constraint
 device_put mesh_cast reshard
 """.split())

@@ -3,8 +3,8 @@
 Calls that only wrap a sub-jaxpr (``pjit``, ``custom_jvp_call``,
 ``custom_vjp_call``, ``remat``, ``closed_call``, ...) are inlined: their
 equations join the outer graph, so their intermediates are scheduled and freed
-like any other. Control flow (``scan``, ``while``, ``cond``) becomes one
-``control`` node that carries its bodies as sub-graphs, so the memory model can
+like any other. Control flow (``scan``, ``while``, ``cond``) and ``shard_map``
+become one ``control`` node that carries its bodies as sub-graphs, so the memory model can
 account for what a body needs while it runs. Importing :mod:`jaxmem.graph`
 registers these rules.
 
@@ -122,3 +122,10 @@ def _while_rule(b: Builder, env: dict, eqn: Any, scope: str) -> None:
 @register_rule("cond")
 def _cond_rule(b: Builder, env: dict, eqn: Any, scope: str) -> None:
     _control(b, env, eqn, scope, list(eqn.params["branches"]), sympy.Integer(1))
+
+
+@register_rule("shard_map")
+def _shard_map_rule(b: Builder, env: dict, eqn: Any, scope: str) -> None:
+    # One node whose body is modelled per device (its avals are the shards'), as a
+    # cond's one branch is: a step inside ``jax.shard_map`` needs its body's memory.
+    _control(b, env, eqn, scope, [eqn.params["jaxpr"]], sympy.Integer(1))
