@@ -150,3 +150,23 @@ def test_a_weight_gradient_read_through_a_copy_runs_after_the_input_gradient(act
     g = build_graph(jax.make_jaxpr(step)(*args))
     peak = int(memory_model(g, STATIC, backend="cpu").peak_bytes)
     assert abs(peak - xla) / xla <= 0.05, (peak, xla)
+
+
+def _two_layer_relu_grad(p: dict, x: jax.Array) -> dict:
+    return jax.grad(lambda q: jnp.mean((jax.nn.relu(x @ q["w1"]) @ q["w2"]) ** 2))(p)
+
+
+@cpu_only
+def test_a_swapped_weight_gradient_runs_after_the_input_gradient() -> None:
+    # 2-D: no copy, but XLA folds the transpose of ``x^T @ ct`` by swapping the dot's
+    # operands, a new instruction queued after the input gradient's ``ct @ w2^T``.
+    p = {"w1": jnp.full((32, 64), 0.1), "w2": jnp.full((64, 8), 0.1)}
+    args = (p, jnp.ones((4096, 32)))
+    g = build_graph(jax.make_jaxpr(_two_layer_relu_grad)(*args))
+    order = xla_order(g, "cpu")
+    dots = [i for i in order if g.nodes[i].primitive == "dot_general" and g.nodes[i].is_backward]
+    readers = [g.nodes[u].primitive for u in g.consumers[g.nodes[dots[0]].outputs[0]]]
+    assert "transpose" not in readers  # the input gradient's dot first
+    xla = jaxmem.xla_peak_bytes(jax.jit(_two_layer_relu_grad).lower(*args).compile())
+    peak = int(memory_model(g, STATIC, backend="cpu").peak_bytes)
+    assert abs(peak - xla) / xla <= 0.02, (peak, xla)  # -27 % when the weight gradient ran first
