@@ -1,6 +1,8 @@
 """``jaxmem.value_and_grad``: a drop-in for ``jax.value_and_grad`` that marks the batch-linear part.
 
-The loss must be a mean over the batch axis (axis 0 of the batch arguments). It
+The loss must be a mean over the batch axis (axis 0 of the batch arguments), and the
+batch must reach it as an argument; a loss that reads it from an enclosing scope, or
+divides by a sum over the rows (a masked mean), is taken unsplit with a warning. It
 computes exactly what ``jax.value_and_grad`` computes, inside a named scope
 (``jaxmem_value_and_grad``). When jaxmem compiles a step with microbatching
 (:class:`jaxmem.schedulers.Microbatch`, only when no recomputation level fits
@@ -25,12 +27,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jcore
+
+from jaxmem.graph.types import JaxmemWarning
 
 SCOPE = "jaxmem_value_and_grad"
 
@@ -62,11 +68,60 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
     def wrapped(*args: Any, **kw: Any) -> Any:
         with jax.named_scope(SCOPE):
             micro = _MICRO.get()
-            if micro is None or micro[0] <= 1:
+            if micro is None or micro[0] <= 1 or not _splittable(fun, args, kw, nums, micro[1]):
                 return vg(*args, **kw)
             return _accumulate(vg, args, kw, nums, micro[0], micro[1])
 
     return wrapped
+
+
+def _splittable(fun: Callable[..., Any], args: Sequence[Any], kw: dict[str, Any],
+                nums: Sequence[int], batch: int) -> bool:
+    """Whether row-weighted chunks of ``fun`` sum to its value; else a warning, and the
+    gradient is taken unsplit.
+
+    Not when the loss reads a traced array of ``batch`` rows from an enclosing scope
+    (``value_and_grad(lambda p: loss(p, batch))(params)``: microbatching splits arguments
+    only, so each chunk would see all of it), nor when it divides by a value summed over
+    the rows (``sum(l * mask) / sum(mask)``, a masked token mean: each chunk's own
+    denominator differs from the batch's, so row weights do not recover the whole).
+    """
+    closed = jax.make_jaxpr(lambda *a: fun(*a, **kw))(*args)
+    reason = None
+    rows = [c.shape for c in closed.consts if isinstance(c, jax.core.Tracer) and _is_rows(c, batch)]
+    if rows:
+        reason = (f"the loss reads arrays of {batch} rows (shapes "
+                  f"{', '.join(map(str, rows))}) from its enclosing scope; microbatching splits "
+                  "only arguments: pass the batch as one")
+    else:
+        flat = [(i, leaf) for i, a in enumerate(args) for leaf in jax.tree_util.tree_leaves(a)]
+        data = [i not in nums and _is_rows(leaf, batch) for i, leaf in flat]
+        deps = [False] * len(closed.jaxpr.constvars) + data
+        if _divides_by_batch_sum(closed.jaxpr, deps, batch):
+            reason = ("the loss divides by a value summed over the batch's rows (a masked "
+                      "mean?); microbatching weights chunks by their rows, which recovers "
+                      "only a mean over rows")
+    if reason:
+        warnings.warn(f"jaxmem.value_and_grad: {reason}. This gradient is taken unsplit.",
+                      JaxmemWarning, stacklevel=3)
+    return reason is None
+
+
+def _divides_by_batch_sum(jaxpr: Any, deps: Sequence[bool], batch: int) -> bool:
+    """Whether ``jaxpr`` (``deps``: which of its constvars and invars hold batch rows) divides
+    by a value that depends on them but has no rows axis (reduced over the batch)."""
+    dep = {v for v, d in zip([*jaxpr.constvars, *jaxpr.invars], deps, strict=True) if d}
+    for eqn in jaxpr.eqns:
+        ins = [not isinstance(v, jcore.Literal) and v in dep for v in eqn.invars]
+        if eqn.primitive.name == "div" and ins[1] and not _is_rows(eqn.invars[1].aval, batch):
+            return True
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            if len(sub.invars) == len(ins) and _divides_by_batch_sum(
+                    sub, [False] * len(sub.constvars) + ins, batch):
+                return True
+        if any(ins):
+            dep.update(eqn.outvars)
+    return False
 
 
 def _is_rows(x: Any, batch: int) -> bool:

@@ -1,9 +1,10 @@
 """Microbatch on the Flax NNX Llama step: fits where no recomputation level does.
 
 The step is ``train.step``'s with ``jax.value_and_grad`` changed to
-``jaxmem.value_and_grad`` (the one extra line microbatching needs). The loss is a
-token mean; with every row holding the same number of target tokens that equals
-the mean over rows, which is what accumulation weights by.
+``jaxmem.value_and_grad`` (the one extra line microbatching needs), and its masked
+token mean changed to a mean over the rows' tokens: accumulation weights chunks by their
+rows, which recovers a mean over rows only (``jaxmem.value_and_grad`` takes a loss that
+divides by a sum over the batch, ``masked_cross_entropy``'s, unsplit, with a warning).
 """
 
 import jax
@@ -15,7 +16,7 @@ from flax import nnx
 
 import jaxmem
 from models.llama import Llama, get_config
-from train.step import init_state, make_optimizer, masked_cross_entropy
+from train.step import init_state, make_optimizer
 
 
 def _steps():
@@ -25,8 +26,9 @@ def _steps():
 
     def make(value_and_grad):
         def loss_fn(params, batch):
-            logits = nnx.merge(graphdef, params)(batch["tokens"])
-            return masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+            logits = nnx.merge(graphdef, params)(batch["tokens"]).astype(jnp.float32)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+            return (ce * batch["loss_mask"]).mean(), batch["loss_mask"].sum()
 
         def step(state, batch):
             (loss, _), grads = value_and_grad(loss_fn, has_aux=True)(state["params"], batch)

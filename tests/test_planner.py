@@ -260,6 +260,41 @@ def test_microbatch_fits_where_no_level_does_uneven_chunks(state):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def _closed_over_step(state: tuple, x: jax.Array) -> tuple[tuple, jax.Array]:
+    params, opt_state = state
+    loss, grads = jaxmem.value_and_grad(lambda p: loss_fn(p, x))(params)  # x from the closure
+    updates, opt_state = OPT.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+
+def _masked_mean_step(state: tuple, x: jax.Array) -> tuple[tuple, jax.Array]:
+    params, opt_state = state
+
+    def masked(p, x):  # a token-weighted mean: rows with larger weights count more
+        per_row, w = jax.vmap(lambda r: loss_fn(p, r[None]))(x), jnp.abs(x[:, 0])
+        return (per_row * w).sum() / w.sum()
+
+    loss, grads = jaxmem.value_and_grad(masked)(params, x)
+    updates, opt_state = OPT.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+
+@pytest.mark.parametrize(("unsplittable", "warning"), [
+    (_closed_over_step, "from its enclosing scope"), (_masked_mean_step, "summed over the batch")])
+def test_a_loss_chunks_cannot_recover_is_not_split(state, unsplittable, warning):
+    """Microbatching splits arguments and weights chunks by rows: a batch read from the
+    closure, or a loss divided by a sum over the rows, warns and takes the gradient whole."""
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((64, D), np.float32))
+    f = jaxmem.jit(unsplittable, scheduler=jaxmem.schedulers.Microbatch("b"), **SPECS)
+    with pytest.warns(jaxmem.JaxmemWarning, match=warning):
+        plan = f.compile_level(0, state, x, microbatches=4)
+    one = f.compile_level(0, state, x, microbatches=1)
+    assert plan.peak_bytes == one.peak_bytes  # nothing was split
+    got, want = plan.compiled(state, x), jax.jit(unsplittable)(state, x)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_value_and_grad_is_jax_value_and_grad_without_microbatching(state):
     x = jnp.asarray(np.random.default_rng(5).standard_normal((9, D), np.float32))
     got = jaxmem.value_and_grad(loss_fn)(state[0], x)
