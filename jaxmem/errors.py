@@ -37,3 +37,8 @@ class SymbolicError(JaxmemError):
 
     The message names the comparison and the constraint that would settle it.
     """
+
+
+class JaxmemWarning(UserWarning):
+    """A conservative estimate was used (unknown primitive, host callback, ...), or a
+    request was narrowed (a gradient microbatching cannot split, taken whole)."""

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-from jaxmem.graph.types import JaxmemWarning
+from jaxmem.errors import JaxmemWarning
 
 SCOPE = "jaxmem_value_and_grad"
 

@@ -17,9 +17,7 @@ from typing import Any, TypeVar
 
 import sympy
 
-
-class JaxmemWarning(UserWarning):
-    """A conservative estimate was used (unknown primitive, host callback, ...)."""
+from jaxmem.errors import JaxmemWarning  # noqa: F401 (re-exported by jaxmem.graph)
 
 
 @dataclasses.dataclass(frozen=True)
