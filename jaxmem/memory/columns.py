@@ -23,7 +23,7 @@ Example:
     >>> from jaxmem.memory.fusion import materialised, used_nodes
     >>> def rms_norm_grad(x, g):  # the scale's gradient is a column sum of dy * x * rsqrt
     ...     y = lambda g: (x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True)) * g).sum()
-    ...     return jax.grad(y)(g)
+    ...     return jax.value_and_grad(y)(g)  # x * rsqrt: read by the output and the sum
     >>> args = [jax.ShapeDtypeStruct((16, 1000, 64), jnp.float32),
     ...         jax.ShapeDtypeStruct((64,), jnp.float32)]
     >>> g = build_graph(jax.make_jaxpr(rms_norm_grad)(*args))
