@@ -132,8 +132,10 @@ def _copy_reads(graph: Graph, x: Extra, base: dict[int, int],
     operand's computation into the copy, that computation's sources, which then live
     until the copy is made. XLA duplicates a cheap elementwise op whose fused work reads
     one buffer of the operand's size (and smaller ones, broadcast): the loss's cotangent
-    ``2 * x / n`` (``x`` lives on), a log-softmax's gradient from the saved ``exp``; and
-    one whose operands are one once its CSE merges them (:func:`distinct_full_operands`)."""
+    ``2 * x / n`` (``x`` lives on), a log-softmax's gradient from the saved ``exp``; and a
+    float32 one whose operands are one once its CSE merges them
+    (:func:`distinct_full_operands`; applied to bfloat16 copies too it put a small bf16
+    Llama at +5.2 % where it was +1.1, at (8, 256))."""
     v = base.get(x.value, x.value)
     prod = graph.producers.get(v)
     while prod is not None and graph.nodes[prod].primitive == "name":  # checkpoint_name
@@ -144,7 +146,8 @@ def _copy_reads(graph: Graph, x: Extra, base: dict[int, int],
     sources = frozenset().union(*[srcs(i) for i in node.inputs])
     size = element_count(graph, v)
     if (sum(element_count(graph, s) == size for s in sources) > 1
-            and len(distinct_full_operands(graph, node.inputs, size)) > 1):
+            and (graph.values[v].dtype != "float32"
+                 or len(distinct_full_operands(graph, node.inputs, size)) > 1)):
         return frozenset((v,))
     return sources
 
