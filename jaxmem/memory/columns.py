@@ -41,7 +41,7 @@ import sympy
 
 from jaxmem.graph import Graph
 from jaxmem.memory.fusion import Extra, materialised
-from jaxmem.memory.ynn import centred_values, row_fusions
+from jaxmem.memory.ynn import RowFusion, centred_values, row_fusion_extras, row_fusions
 
 
 class ColumnSum(NamedTuple):
@@ -154,13 +154,33 @@ def column_broadcasts(graph: Graph, order: Sequence[int],
     return out
 
 
-def library_owner(graph: Graph, backend: str, used: Sequence[bool]) -> dict[int, int]:
+class Library(NamedTuple):
+    """XLA CPU's YNN library fusions in a graph, found once per memory model: the row sums'
+    (:func:`~jaxmem.memory.ynn.row_fusions`) and the column sums' (:func:`column_sums`);
+    both empty off the CPU backend."""
+
+    rows: list[RowFusion]
+    columns: list[ColumnSum]
+
+
+def library_fusions(graph: Graph, used: Sequence[bool], backend: str) -> Library:
+    """The graph's :class:`Library` on ``backend``."""
+    return Library(row_fusions(graph, used, backend), column_sums(graph, used, backend))
+
+
+def library_owner(graph: Graph, used: Sequence[bool], library: Library) -> dict[int, int]:
     """:func:`~jaxmem.memory.fusion.materialised` with the values XLA CPU's YNN library
-    writes to buffers of their own on ``backend``: a row fusion's centred value
+    writes to buffers of their own: a row fusion's centred value
     (:func:`~jaxmem.memory.ynn.centred_values`) and a column sum's shared per-row
     products (:func:`column_products`)."""
     owner = materialised(graph)
-    if backend != "cpu":
-        return owner
-    return {**owner, **centred_values(graph, owner, used, row_fusions(graph, used, backend)),
-            **column_products(graph, owner, column_sums(graph, used, backend))}
+    return {**owner, **centred_values(graph, owner, used, library.rows),
+            **column_products(graph, owner, library.columns)}
+
+
+def library_extras(graph: Graph, order: Sequence[int], used: Sequence[bool], backend: str,
+                   library: Library) -> list[Extra]:
+    """The buffers the library's fusions add: its row sums'
+    (:func:`~jaxmem.memory.ynn.row_fusion_extras`) and :func:`column_broadcasts`."""
+    return [*row_fusion_extras(graph, order, used, backend, library.rows),
+            *column_broadcasts(graph, order, library.columns)]

@@ -22,7 +22,7 @@ import jax
 import sympy
 
 from jaxmem.graph import EXPENSIVE, Graph
-from jaxmem.memory.columns import column_broadcasts, column_sums, library_owner
+from jaxmem.memory.columns import Library, library_extras, library_fusions, library_owner
 from jaxmem.memory.epilogues import epilogue_broadcasts
 from jaxmem.memory.fillers import stacked_outputs
 from jaxmem.memory.fusion import (
@@ -38,7 +38,7 @@ from jaxmem.memory.readers import distinct_full_operands
 from jaxmem.memory.scatters import batched_index_tuples, scattered_zeros
 from jaxmem.memory.schedule import BFS_BACKENDS
 from jaxmem.memory.windows import conv_copies, max_pool_gradient_buffers, window_broadcasts
-from jaxmem.memory.ynn import row_fused_sizes, row_fusion_extras, row_fusions
+from jaxmem.memory.ynn import row_fused_sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,8 @@ class Buffer:
 def liveness(graph: Graph, order: Sequence[int] | None = None,
              backend: str | None = None, owner: dict[int, int] | None = None,
              used: list[bool] | None = None,
-             pairs: Sequence[tuple[int, int]] | None = None) -> tuple[Buffer, ...]:
+             pairs: Sequence[tuple[int, int]] | None = None,
+             library: Library | None = None) -> tuple[Buffer, ...]:
     """Buffers and their live ranges when the graph runs in ``order``.
 
     Args:
@@ -75,25 +76,25 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
         backend: the JAX platform whose XLA rules apply (``jax.default_backend()``
             when None): on CPU, low-precision dots take float32 buffers
             (:mod:`jaxmem.memory.precision`).
-        owner: ``library_owner(graph, backend, used)``, when the caller has it.
+        owner: ``library_owner(graph, used, library)``, when the caller has it.
         used: ``used_nodes(graph)``, when the caller has it.
         pairs: ``dot_copies(graph, owner, used)``, when the caller has them.
+        library: ``library_fusions(graph, used, backend)``, when the caller has it.
 
     Donation changes no live range (an argument lives for the whole run either way);
     :func:`jaxmem.memory.model.memory_model` subtracts the aliased bytes.
 
     Returns:
-        One :class:`Buffer` per materialised value, then the buffers XLA adds
-        (transposed dot operands, broadcast epilogue operands, float32 copies of
-        low-precision dot operands, a random-bits loop's counters).
+        One :class:`Buffer` per materialised value, then the buffers XLA adds (copies of
+        dot operands, broadcast operands, a random-bits loop's counters, ...).
     """
     order = list(range(len(graph.nodes))) if order is None else list(order)
     backend = backend or jax.default_backend()
     used = used_nodes(graph) if used is None else used
-    owner = library_owner(graph, backend, used) if owner is None else owner
-    widened, fusions = buffer_sizes(graph, owner, backend), row_fusions(graph, used, backend)
-    bits = random_bits_sizes(graph, backend)
-    sizes = {**widened, **row_fused_sizes(graph, owner, widened, backend, fusions), **bits}
+    library = library_fusions(graph, used, backend) if library is None else library
+    owner = library_owner(graph, used, library) if owner is None else owner
+    widened, bits = buffer_sizes(graph, owner, backend), random_bits_sizes(graph, backend)
+    sizes = {**widened, **row_fused_sizes(graph, owner, widened, backend, library.rows), **bits}
     size = lambda v: sizes.get(v, graph.values[v].nbytes)  # noqa: E731
     srcs = _buffer_sources(graph, owner)
     copied: set[tuple[int, int]] = set()
@@ -111,16 +112,15 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     held = _held_outputs(first_def, outputs, taken)
     buffers = _value_buffers(graph, len(order), owner, outputs, {**first_def, **held},
                              last_use, reuse_end, in_output, size)
-    for x in (*copies,
+    for x in (*copies, *convs,
               *epilogue_broadcasts(graph, order, owner, first_def),
               *operand_copies(graph, order, owner, backend, widened),
-              *convs, *window_broadcasts(graph, order, used, backend),
+              *window_broadcasts(graph, order, used, backend),
               *max_pool_gradient_buffers(graph, order, used, backend),
               *batched_index_tuples(graph, order, backend),
               *scattered_zeros(graph, order, backend, owner),
               *random_bits_counters(graph, order, bits),
-              *row_fusion_extras(graph, order, used, backend, fusions),
-              *column_broadcasts(graph, order, column_sums(graph, used, backend))):
+              *library_extras(graph, order, used, backend, library)):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
     return tuple(buffers)
 

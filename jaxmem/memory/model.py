@@ -46,7 +46,7 @@ import sympy
 from jaxmem.fastexpr import pairs_at
 from jaxmem.graph import Graph, scan_counts
 from jaxmem.memory.assign import assignment_peak
-from jaxmem.memory.columns import library_owner
+from jaxmem.memory.columns import library_fusions, library_owner
 from jaxmem.memory.frontier import candidate_points, max_expr, to_expr
 from jaxmem.memory.fusion import dot_copies, used_nodes
 from jaxmem.memory.liveness import Buffer, liveness
@@ -253,12 +253,12 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
         A :class:`MemoryModel`.
     """
     backend = backend or jax.default_backend()
-    # What XLA materialises and which ops are live, once: the order and ranges both need them.
-    used = used_nodes(graph)
-    owner = library_owner(graph, backend, used)
+    used = used_nodes(graph)  # these four once: the order and the live ranges need them
+    library = library_fusions(graph, used, backend)
+    owner = library_owner(graph, used, library)
     pairs = dot_copies(graph, owner, used)
     order = xla_order(graph, backend, owner, used, pairs) if order is None else list(order)
-    buffers = liveness(graph, order, backend, owner, used, pairs)
+    buffers = liveness(graph, order, backend, owner, used, pairs, library)
     n = len(order)
     tally: collections.Counter[str] = collections.Counter()
     bodies = _bodies(graph, order, dom, symbolic, backend)

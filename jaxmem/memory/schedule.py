@@ -34,7 +34,7 @@ import collections
 from collections.abc import Sequence
 
 from jaxmem.graph import Graph
-from jaxmem.memory.columns import library_owner
+from jaxmem.memory.columns import library_fusions, library_owner
 from jaxmem.memory.fusion import dot_copies, used_nodes
 from jaxmem.memory.precision import converted_reads
 from jaxmem.memory.scatters import added_scatter
@@ -52,7 +52,8 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
     Args:
         graph: the graph.
         backend: a JAX platform name.
-        owner: ``library_owner(graph, backend, used)``, when the caller has it.
+        owner: ``library_owner(graph, used, library_fusions(graph, used, backend))``,
+            when the caller has it.
         used: ``used_nodes(graph)``, when the caller has it.
         pairs: ``dot_copies(graph, owner, used)``, when the caller has them.
 
@@ -64,7 +65,8 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
     if backend not in BFS_BACKENDS or n == 0:
         return list(range(n))
     used = used_nodes(graph) if used is None else used
-    owner = library_owner(graph, backend, used) if owner is None else owner
+    if owner is None:
+        owner = library_owner(graph, used, library_fusions(graph, used, backend))
     fused = _joins_consumer(graph, owner, used)
     preds, fused_in, through = _instruction_operands(graph, fused)
     pairs = [*(dot_copies(graph, owner, used) if pairs is None else pairs),
