@@ -41,6 +41,12 @@ import sympy
 
 from jaxmem.graph import Graph
 from jaxmem.memory.fusion import Extra, materialised
+from jaxmem.memory.library import (
+    constant_operands,
+    constant_readers,
+    reduction_fused,
+    reduction_fusions,
+)
 from jaxmem.memory.ynn import RowFusion, centred_values, row_fusion_extras, row_fusions
 
 
@@ -154,18 +160,50 @@ def column_broadcasts(graph: Graph, order: Sequence[int],
     return out
 
 
+def reduction_constants(graph: Graph, order: Sequence[int], used: Sequence[bool],
+                        regions: Sequence[frozenset[int]], taken: frozenset[tuple] = frozenset()
+                        ) -> list[Extra]:
+    """Full-size broadcasts of the scalar constants :func:`reduction_fusions`' fusions read
+    that other ops read too (gelu's four, shared by every layer's MLP through XLA's CSE:
+    the fusion takes the shared broadcast as an operand, a buffer from the program's start
+    to the fusion; measured, a 2-layer GPT eval step at (8, 256): four ``f32[8, 256, 512]``).
+    ``taken``: constant keys another rule already counts."""
+    if not regions:
+        return []
+    readers = constant_readers(graph, used)
+    pos = {n: p for p, n in enumerate(order)}
+    shared: dict[tuple, Extra] = {}
+    for region in regions:
+        end = max(pos[n] for n in region)
+        keys = {k for n in region for k in constant_operands(graph, graph.nodes[n])}
+        for key in sorted(keys - taken, key=repr):
+            if key in shared:
+                x = shared[key]
+                shared[key] = Extra(x.value, x.nbytes, 0, max(x.end, end), x.note)
+            elif any(u not in region for u in readers[key]):
+                _, shape, itemsize = key
+                shared[key] = Extra(graph.nodes[min(region)].outputs[0],
+                                    sympy.expand(itemsize * sympy.Mul(*shape)), 0, end,
+                                    "library fusion constant operand")
+    return list(shared.values())
+
+
 class Library(NamedTuple):
     """XLA CPU's YNN library fusions in a graph, found once per memory model: the row sums'
-    (:func:`~jaxmem.memory.ynn.row_fusions`) and the column sums' (:func:`column_sums`);
-    both empty off the CPU backend."""
+    (:func:`~jaxmem.memory.ynn.row_fusions`), the column sums' (:func:`column_sums`), and
+    the values other reductions' fusions compute through dots
+    (:func:`~jaxmem.memory.library.reduction_fusions`); all empty off the CPU backend."""
 
     rows: list[RowFusion]
     columns: list[ColumnSum]
+    reductions: list[frozenset[int]]
 
 
 def library_fusions(graph: Graph, used: Sequence[bool], backend: str) -> Library:
     """The graph's :class:`Library` on ``backend``."""
-    return Library(row_fusions(graph, used, backend), column_sums(graph, used, backend))
+    rows = row_fusions(graph, used, backend)
+    reductions = reduction_fusions(graph, used) if backend == "cpu" else []
+    return Library(rows, column_sums(graph, used, backend), reductions)
 
 
 def library_owner(graph: Graph, used: Sequence[bool], library: Library) -> dict[int, int]:
@@ -175,12 +213,16 @@ def library_owner(graph: Graph, used: Sequence[bool], library: Library) -> dict[
     products (:func:`column_products`)."""
     owner = materialised(graph)
     return {**owner, **centred_values(graph, owner, used, library.rows),
-            **column_products(graph, owner, library.columns)}
+            **column_products(graph, owner, library.columns),
+            **dict.fromkeys(reduction_fused(graph, library.reductions), -1)}
 
 
 def library_extras(graph: Graph, order: Sequence[int], used: Sequence[bool], backend: str,
                    library: Library) -> list[Extra]:
     """The buffers the library's fusions add: its row sums'
     (:func:`~jaxmem.memory.ynn.row_fusion_extras`) and :func:`column_broadcasts`."""
+    prologues = frozenset(k for f in library.rows for n in f[3]
+                          for k in constant_operands(graph, graph.nodes[n]))
     return [*row_fusion_extras(graph, order, used, backend, library.rows),
-            *column_broadcasts(graph, order, library.columns)]
+            *column_broadcasts(graph, order, library.columns),
+            *reduction_constants(graph, order, used, library.reductions, prologues)]

@@ -28,7 +28,7 @@ import sympy
 
 from jaxmem.graph import EXPENSIVE, Graph, Node
 from jaxmem.memory.fillers import sunk_broadcasts
-from jaxmem.memory.library import pooling_fusions
+from jaxmem.memory.library import element_count, pooling_fusions
 from jaxmem.memory.readers import erfc_shared_exps, low_precision_arithmetic
 
 
@@ -156,11 +156,6 @@ def _effectively_unary(graph: Graph, node: Node) -> bool:
         if element_count(graph, v) == size:
             full += 1
     return full <= 1
-
-
-def element_count(graph: Graph, v: int) -> sympy.Expr:
-    """Elements of value ``v`` (1 for a scalar)."""
-    return sympy.Mul(*graph.values[v].shape) if graph.values[v].shape else sympy.Integer(1)
 
 
 def _canonical_dot_operands(dims: tuple, ranks: tuple[int, int]) -> tuple[bool, bool]:

@@ -103,6 +103,120 @@ def pooling_fusions(graph: Graph) -> tuple[frozenset[int], frozenset[int]]:
     return frozenset(fused), frozenset(kept - fused)
 
 
+#: Reductions that start a library fusion (``IsReduceOpSupportedByYnn``: add, max, min).
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
+#: A reduction over fewer input elements stays in XLA's own code (measured, jax 0.10.2:
+#: ``tanh(x @ w).sum()`` over 2048 elements is a dot fusion and a loop fusion, over 4096
+#: one library fusion, whatever the axes).
+LIBRARY_MIN_REDUCED = 4096
+#: Views a reduction's library fusion grows through (bitcasts in HLO; ``stop_gradient`` is
+#: the identity).
+_FUSED_VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "stop_gradient"})
+
+
+def reduction_fusions(graph: Graph, used: Sequence[bool]) -> list[frozenset[int]]:
+    """The nodes of each float32 reduction's library fusion that holds a dot.
+
+    XLA's CPU ``LibraryRewriter`` starts a fusion at each reduction over at least
+    :data:`LIBRARY_MIN_REDUCED` elements and grows it through the ops it supports (the
+    library's elementwise ops, and dots) whose readers it all holds
+    (:func:`_reduction_region`). In a forward-only step (an eval loss:
+    ``mean((tanh(x @ w1) @ w2 - y) ** 2)``, a log-softmax's row max over the logits and
+    the layers before them) one fusion computes a chain of matmuls with no intermediate
+    buffer (:func:`reduction_fused`), reading the scalar constants other ops share as
+    full-size buffers (:func:`reduction_constants`). A train step keeps its activations
+    for the backward pass, so its fusions stop at the first value read twice; fusions
+    without a dot change nothing the elementwise rules do not already give.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jaxmem.graph import build_graph
+        >>> g = build_graph(jax.make_jaxpr(lambda x, w: jnp.tanh(x @ w).sum())(
+        ...     jnp.ones((64, 64)), jnp.ones((64, 64))))
+        >>> regions = reduction_fusions(g, [True] * len(g.nodes))
+        >>> sorted(g.nodes[g.producers[v]].primitive for v in reduction_fused(g, regions))
+        ['dot_general', 'tanh']
+    """
+    out: list[frozenset[int]] = []
+    seen: set[int] = set()
+    for node in reversed(graph.nodes):  # XLA starts from the program's end
+        if (node.primitive in _REDUCTIONS and used[node.index] and node.index not in seen
+                and node.inputs and graph.values[node.inputs[0]].dtype == "float32"
+                and not _fewer(element_count(graph, node.inputs[0]), LIBRARY_MIN_REDUCED)):
+            region = _reduction_region(graph, node)
+            seen |= region
+            if any(graph.nodes[n].primitive == "dot_general" for n in region):
+                out.append(frozenset(region))
+    return out
+
+
+def reduction_fused(graph: Graph, regions: Sequence[frozenset[int]]) -> frozenset[int]:
+    """Values computed inside :func:`reduction_fusions`' fusions: no buffer of their own
+    (the fusion's result is the reduction's, or the last op of the chain after it)."""
+    outputs = set(graph.outputs)
+    return frozenset(o for r in regions for n in r for o in graph.nodes[n].outputs
+                     if o not in outputs
+                     and all(c in r for c in graph.consumers.get(o, ())))
+
+
+def _reduction_region(graph: Graph, seed: Node) -> set[int]:
+    """The reduction and the ops its library fusion takes in: down the chain of single
+    readers after it (``logits - max``), then up through every producer whose readers it
+    all holds, again until nothing joins (the logits' dot, once both its readers are in)."""
+    consumers, producers, nodes = graph.consumers, graph.producers, graph.nodes
+    region = {seed.index}
+    out = seed.outputs[0]
+    while len(consumers.get(out, ())) == 1:
+        c = nodes[consumers[out][0]]
+        if c.primitive == "dot_general" or not (
+                _library_op(graph, c) or c.primitive == "broadcast_in_dim"):
+            break
+        region.add(c.index)
+        out = c.outputs[0]
+    grown = True
+    while grown:
+        grown = False
+        for v in {i for ni in region for i in nodes[ni].inputs}:
+            p = producers.get(v)
+            if (p is not None and p not in region and _library_op(graph, nodes[p])
+                    and all(c in region for c in consumers.get(v, ()))):
+                region.add(p)
+                grown = True
+    return region
+
+
+def _library_op(graph: Graph, node: Node) -> bool:
+    """An op a reduction's library fusion takes in: float32 results of the library's
+    elementwise ops, views, and dots of float32 operands read as laid out."""
+    if len(node.outputs) != 1 or graph.values[node.outputs[0]].dtype != "float32":
+        return False
+    if node.primitive in LIBRARY_ELEMENTWISE or node.primitive in _FUSED_VIEWS:
+        return True
+    if node.primitive != "dot_general" or len(node.inputs) != 2:
+        return False
+    (lc, rc), (lb, rb) = dict(node.params).get("dimension_numbers", ((None, None), (None, None)))
+    if lc is None:
+        return False
+    ranks = [len(graph.values[v].shape) for v in node.inputs]
+    nb = len(lb)
+    return (all(graph.values[v].dtype == "float32" for v in node.inputs)
+            and tuple(lb) == tuple(rb) == tuple(range(nb))
+            and tuple(lc) == tuple(range(ranks[0] - len(lc), ranks[0]))
+            and tuple(rc) == tuple(range(nb, nb + len(rc))))
+
+
+def element_count(graph: Graph, v: int) -> sympy.Expr:
+    """Elements of value ``v`` (1 for a scalar)."""
+    return sympy.Mul(*graph.values[v].shape) if graph.values[v].shape else sympy.Integer(1)
+
+
+def _fewer(count: sympy.Expr, bound: int) -> bool:
+    """Whether ``count`` is below ``bound`` for certain (a symbolic count is taken as
+    large: below the bound every buffer involved is under 16 KiB)."""
+    count = sympy.sympify(count)
+    return bool(count.is_number and count < bound)
+
+
 def constant_operands(graph: Graph, node: Node, fold: bool = True) -> list[tuple]:
     """``(constant, shape, itemsize)`` of each scalar constant elementwise ``node`` reads at
     its own shape: a literal operand, or an operand broadcast from one."""

@@ -1,0 +1,78 @@
+"""XLA CPU's reduction library fusions through dots (jaxmem.memory.library): forward-only
+steps, checked against XLA's own peak."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxmem
+from jaxmem.graph import build_graph
+from jaxmem.memory.fusion import used_nodes
+from jaxmem.memory.library import reduction_fused, reduction_fusions
+
+D, H = 64, 256
+
+def _params(layers: int, out: int = D) -> list[jax.Array]:
+    keys = jax.random.split(jax.random.PRNGKey(0), layers)
+    dims = [D] + [H] * (layers - 1) + [out]
+    return [jax.random.normal(k, (a, b)) * 0.05
+            for k, a, b in zip(keys, dims[:-1], dims[1:], strict=True)]
+
+def _mlp(params: list[jax.Array], x: jax.Array, act) -> jax.Array:
+    for w in params[:-1]:
+        x = act(x @ w)
+    return x @ params[-1]
+
+def mse_eval(params, x, y):
+    """An eval loss: no gradient, so nothing is kept for a backward pass."""
+    return jnp.mean((_mlp(params, x, jnp.tanh) - y) ** 2)
+
+def per_row_eval(params, x, y):
+    return jnp.sum((_mlp(params, x, jax.nn.relu) - y) ** 2, axis=-1).mean()
+
+def gelu_ce_eval(params, x, labels):
+    """Two gelu layers (XLA's CSE shares their constants), a log-softmax over classes."""
+    logits = _mlp(params, x, jax.nn.gelu)
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], -1).mean()
+
+def _args(fn, b: int):
+    if fn is gelu_ce_eval:
+        return _params(3, out=128), jnp.ones((b, D)), jnp.zeros((b,), jnp.int32)
+    return _params(3), jnp.ones((b, D)), jnp.zeros((b, D))
+
+def _symbolic(fn):
+    b, = jax.export.symbolic_shape("b", constraints=("b <= 4096",))
+    params, *batch = _args(fn, 1)
+    return (params, *(jax.ShapeDtypeStruct((b, *a.shape[1:]), a.dtype) for a in batch))
+
+
+@pytest.mark.parametrize("fn", [mse_eval, per_row_eval, gelu_ce_eval])
+def test_forward_only_steps_within_two_percent_of_xla(fn) -> None:
+    report = jaxmem.analyze(fn, *_symbolic(fn))
+    for b in (64, 1000):
+        xla = jaxmem.xla_peak_bytes(jax.jit(fn).lower(*_args(fn, b)).compile())
+        predicted = report.peak_bytes_at(b=b)
+        assert abs(predicted / xla - 1) <= 0.02, (fn.__name__, b, predicted, xla)
+
+def test_a_train_step_keeps_its_forward_matmuls() -> None:
+    step = jax.value_and_grad(mse_eval)
+    g = build_graph(jax.make_jaxpr(step)(*_args(mse_eval, 64)))
+    fused = reduction_fused(g, reduction_fusions(g, used_nodes(g)))
+    assert not any(g.nodes[g.producers[v]].primitive == "dot_general" for v in fused)
+
+def test_forward_matmuls_are_inside_the_loss_fusion() -> None:
+    g = build_graph(jax.make_jaxpr(mse_eval)(*_args(mse_eval, 64)))
+    fused = reduction_fused(g, reduction_fusions(g, used_nodes(g)))
+    dots = [v for n in g.nodes if n.primitive == "dot_general" for v in n.outputs]
+    assert len(dots) == 3 and set(dots) <= fused
+
+def test_a_small_reduction_stays_out_of_the_library() -> None:
+    """Under 4096 reduced elements XLA keeps the dot's buffer, and so does the model."""
+    fn = lambda x, w: jnp.tanh(x @ w).sum()  # noqa: E731
+    args = jnp.ones((8, 16)), jnp.ones((16, 16))
+    g = build_graph(jax.make_jaxpr(fn)(*args))
+    assert reduction_fusions(g, used_nodes(g)) == []
+    xla = jaxmem.xla_peak_bytes(jax.jit(fn).lower(*args).compile())
+    assert jaxmem.analyze(fn, *args).peak_bytes == xla
