@@ -17,7 +17,8 @@ written one way the planner has not been tuned on:
 
 and the programs of :mod:`bench.unseen_programs`, which are no such decoder:
 ``accum`` (gradient accumulation under ``lax.scan``), ``cnn`` (a linen convnet),
-``encdec`` (an NNX encoder-decoder with two sequence dims), ``moe`` (top-2 experts),
+``encdec`` (an NNX encoder-decoder with two sequence dims), ``eval`` (an evaluation step,
+no gradient), ``moe`` (top-2 experts),
 ``remat-scan`` (linen ``nn.scan`` over ``nn.remat`` blocks), ``ssm`` (a linear recurrence
 by ``lax.associative_scan``) and ``vit`` (a vision transformer with exact GELU).
 

@@ -20,6 +20,8 @@ and the constraints of the shape domain.
 * ``ssm``: a plain-JAX state-space LM whose layers run a diagonal linear recurrence by
   ``lax.associative_scan`` (strided slices, pads and concatenates instead of a loop),
   under SGD with Nesterov momentum;
+* ``eval``: an evaluation step (no gradient) of a plain-JAX pre-LayerNorm decoder: its
+  loss and next-token accuracy;
 * ``vit``: a plain-JAX vision transformer (patches cut by ``reshape`` / ``transpose``
   from images of dynamic batch and side, exact ``erf`` GELU, mean pooling, one-hot
   cross-entropy), under ``optax.adafactor``.
@@ -335,7 +337,29 @@ def _lm_loss_logits(logits: jax.Array, tokens: jax.Array) -> jax.Array:
         logits, jnp.roll(tokens, -1, 1)).mean()
 
 
+def eval_case(quick: bool) -> Case:
+    """An evaluation step, no gradient: the pre-LayerNorm decoder's loss and next-token
+    accuracy; the state passes through unchanged. At ``(8, 256)``: attention's scores
+    outweigh the rest."""
+    layers, (b, s) = (1, (2, 16)) if quick else (3, (8, 256))
+    shapes = {"emb": (VOCAB, D), "layers": [
+        {"attn": _ATTENTION, "w1": (D, 4 * D), "w2": (4 * D, D), "g": (D,), "b": (D,)}
+        for _ in range(layers)]}
+    params = _normal(shapes, 3)
+
+    def step(p: Any, tokens: jax.Array) -> Any:
+        x = p["emb"][tokens]
+        for lp in p["layers"]:
+            x = x + _attention(_layer_norm(x, lp["g"], lp["b"]), lp["attn"])
+            x = x + jax.nn.gelu(_layer_norm(x, lp["g"], lp["b"]) @ lp["w1"]) @ lp["w2"]
+        logits, targets = x @ p["emb"].T, jnp.roll(tokens, -1, 1)
+        accuracy = (logits.argmax(-1) == targets).mean()
+        return p, (_lm_loss_logits(logits, tokens), accuracy)
+
+    return Case(step, params, (_tokens((b, s)),), (None, "b, s"), (f"b <= {b}", f"s <= {s}"))
+
+
 #: name -> builder of the program's case (``quick``: CI-sized)
 CASES: dict[str, Callable[[bool], Case]] = {
-    "accum": accum_case, "cnn": cnn_case, "encdec": encdec_case, "moe": moe_case,
-    "remat-scan": remat_scan_case, "ssm": ssm_case, "vit": vit_case}
+    "accum": accum_case, "cnn": cnn_case, "encdec": encdec_case, "eval": eval_case,
+    "moe": moe_case, "remat-scan": remat_scan_case, "ssm": ssm_case, "vit": vit_case}

@@ -1,6 +1,7 @@
 """bench.unseen_programs: programs written apart from jaxmem run under ``jaxmem.jit``
 exactly as under ``jax.jit`` at their deepest level; at full size XLA puts that level's
-peak below level 0's."""
+peak below level 0's. The eval step (no gradient, nothing to recompute: one level) runs
+exactly as under ``jax.jit``."""
 
 from __future__ import annotations
 
@@ -28,12 +29,26 @@ def _check_deepest_level(name: str, quick: bool) -> None:
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+TRAIN = sorted(set(CASES) - {"eval"})
+
+
+@pytest.mark.parametrize("name", TRAIN)
 def test_deepest_level_computes_the_step_of_jax_jit(name: str) -> None:
     _check_deepest_level(name, quick=True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", TRAIN)
 def test_deepest_level_at_full_size_is_smaller_than_level_0(name: str) -> None:
     _check_deepest_level(name, quick=False)
+
+
+@pytest.mark.parametrize("quick", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_eval_step_runs_as_jax_jit(quick: bool) -> None:
+    case = CASES["eval"](quick)
+    args = (case.state, *case.data)
+    f = jaxmem.jit(case.step, polymorphic_shapes=case.polymorphic_shapes,
+                   constraints=case.constraints)
+    got, want = f(*args), jax.jit(case.step)(*args)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)

@@ -41,11 +41,12 @@ import sympy
 
 from jaxmem.graph import Graph
 from jaxmem.memory.fusion import Extra, materialised
-from jaxmem.memory.library import (
-    constant_operands,
-    constant_readers,
-    reduction_fused,
+from jaxmem.memory.library import constant_operands
+from jaxmem.memory.reductions import (
+    ReductionFusion,
+    reduction_constants,
     reduction_fusions,
+    reduction_roots,
 )
 from jaxmem.memory.ynn import RowFusion, centred_values, row_fusion_extras, row_fusions
 
@@ -160,61 +161,34 @@ def column_broadcasts(graph: Graph, order: Sequence[int],
     return out
 
 
-def reduction_constants(graph: Graph, order: Sequence[int], used: Sequence[bool],
-                        regions: Sequence[frozenset[int]], taken: frozenset[tuple] = frozenset()
-                        ) -> list[Extra]:
-    """Full-size broadcasts of the scalar constants :func:`reduction_fusions`' fusions read
-    that other ops read too (gelu's four, shared by every layer's MLP through XLA's CSE:
-    the fusion takes the shared broadcast as an operand, a buffer from the program's start
-    to the fusion; measured, a 2-layer GPT eval step at (8, 256): four ``f32[8, 256, 512]``).
-    ``taken``: constant keys another rule already counts."""
-    if not regions:
-        return []
-    readers = constant_readers(graph, used)
-    pos = {n: p for p, n in enumerate(order)}
-    shared: dict[tuple, Extra] = {}
-    for region in regions:
-        end = max(pos[n] for n in region)
-        keys = {k for n in region for k in constant_operands(graph, graph.nodes[n])}
-        for key in sorted(keys - taken, key=repr):
-            if key in shared:
-                x = shared[key]
-                shared[key] = Extra(x.value, x.nbytes, 0, max(x.end, end), x.note)
-            elif any(u not in region for u in readers[key]):
-                _, shape, itemsize = key
-                shared[key] = Extra(graph.nodes[min(region)].outputs[0],
-                                    sympy.expand(itemsize * sympy.Mul(*shape)), 0, end,
-                                    "library fusion constant operand")
-    return list(shared.values())
-
-
 class Library(NamedTuple):
     """XLA CPU's YNN library fusions in a graph, found once per memory model: the row sums'
     (:func:`~jaxmem.memory.ynn.row_fusions`), the column sums' (:func:`column_sums`), and
-    the values other reductions' fusions compute through dots
-    (:func:`~jaxmem.memory.library.reduction_fusions`); all empty off the CPU backend."""
+    other reductions' fusions that hold a dot
+    (:func:`~jaxmem.memory.reductions.reduction_fusions`); all empty off the CPU backend."""
 
     rows: list[RowFusion]
     columns: list[ColumnSum]
-    reductions: list[frozenset[int]]
+    reductions: list[ReductionFusion]
 
 
 def library_fusions(graph: Graph, used: Sequence[bool], backend: str) -> Library:
     """The graph's :class:`Library` on ``backend``."""
-    rows = row_fusions(graph, used, backend)
     reductions = reduction_fusions(graph, used) if backend == "cpu" else []
-    return Library(rows, column_sums(graph, used, backend), reductions)
+    return Library(row_fusions(graph, used, backend), column_sums(graph, used, backend),
+                   reductions)
 
 
 def library_owner(graph: Graph, used: Sequence[bool], library: Library) -> dict[int, int]:
     """:func:`~jaxmem.memory.fusion.materialised` with the values XLA CPU's YNN library
     writes to buffers of their own: a row fusion's centred value
-    (:func:`~jaxmem.memory.ynn.centred_values`) and a column sum's shared per-row
-    products (:func:`column_products`)."""
+    (:func:`~jaxmem.memory.ynn.centred_values`), a column sum's shared per-row
+    products (:func:`column_products`) and a reduction fusion's results
+    (:func:`~jaxmem.memory.reductions.reduction_roots`)."""
     owner = materialised(graph)
     return {**owner, **centred_values(graph, owner, used, library.rows),
             **column_products(graph, owner, library.columns),
-            **dict.fromkeys(reduction_fused(graph, library.reductions), -1)}
+            **{v: v for v in reduction_roots(graph, library.reductions, used)}}
 
 
 def library_extras(graph: Graph, order: Sequence[int], used: Sequence[bool], backend: str,

@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import sympy
@@ -183,29 +183,32 @@ def _canonical_dot_operands(dims: tuple, ranks: tuple[int, int]) -> tuple[bool, 
 
 def dot_copies(graph: Graph, owner: dict[int, int], used: Sequence[bool] | None = None
                ) -> list[tuple[int, int]]:
-    """The ``(dot node, operand)`` pairs XLA reads through a transposed copy (see
-    ``_canonical_dot_operands``), dots in program order; a dead dot (``used``: XLA
-    removes it) reads none. The operand is seen through a transpose folded into the dot.
+    """The ``(dot node, operand)`` pairs XLA reads through a transposed copy
+    (:func:`copied_operands`), dots in program order; a dead dot (``used``: XLA removes
+    it) reads none."""
+    return [(ni, v) for ni, node in enumerate(graph.nodes)
+            if node.primitive == "dot_general" and (used is None or used[ni])
+            for v in copied_operands(graph, node, owner)]
+
+
+def copied_operands(graph: Graph, node: Node, owner: Mapping[int, int]) -> list[int]:
+    """The operands of dot ``node`` XLA copies into the layout it reads (see
+    ``_canonical_dot_operands``), each seen through a transpose folded into the dot.
     A matrix (two dims once the size-1 ones go) is read transposed in place: an MLP's
     ``[b, d]`` weight-gradient operands get no copy (measured, jax 0.10.2), where a
     ``[b, s, d]`` one, whose two contracting dims XLA merges first, does."""
-    pairs = []
-    for ni, node in enumerate(graph.nodes):
-        if node.primitive != "dot_general" or (used is not None and not used[ni]):
-            continue
-        params = dict(node.params)
-        if "dimension_numbers" not in params or len(node.inputs) != 2:
-            continue
-        (lc, rc), (lb, rb) = params["dimension_numbers"]
-        lhs, lc, lb = _through_transpose(graph, owner, node.inputs[0], lc, lb)
-        rhs, rc, rb = _through_transpose(graph, owner, node.inputs[1], rc, rb)
-        vals = [graph.values[lhs], graph.values[rhs]]
-        (lc, lb, lr), (rc, rb, rr) = (_without_unit_dims(vals[0].shape, lc, lb),
-                                      _without_unit_dims(vals[1].shape, rc, rb))
-        ok = _canonical_dot_operands(((lc, rc), (lb, rb)), (lr, rr))
-        pairs.extend((ni, v.id) for v, fine, rank in zip(vals, ok, (lr, rr), strict=True)
-                     if not fine and rank >= 3)
-    return pairs
+    params = dict(node.params)
+    if "dimension_numbers" not in params or len(node.inputs) != 2:
+        return []
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    lhs, lc, lb = _through_transpose(graph, owner, node.inputs[0], lc, lb)
+    rhs, rc, rb = _through_transpose(graph, owner, node.inputs[1], rc, rb)
+    vals = [graph.values[lhs], graph.values[rhs]]
+    (lc, lb, lr), (rc, rb, rr) = (_without_unit_dims(vals[0].shape, lc, lb),
+                                  _without_unit_dims(vals[1].shape, rc, rb))
+    ok = _canonical_dot_operands(((lc, rc), (lb, rb)), (lr, rr))
+    return [v.id for v, fine, rank in zip(vals, ok, (lr, rr), strict=True)
+            if not fine and rank >= 3]
 
 
 def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
@@ -288,7 +291,7 @@ def is_head_split(graph: Graph, node: Node) -> bool:
     return src is not None and graph.nodes[src].primitive == "dot_general"
 
 
-def _through_transpose(graph: Graph, owner: dict[int, int], v: int, contracting: tuple,
+def _through_transpose(graph: Graph, owner: Mapping[int, int], v: int, contracting: tuple,
                        batch: tuple) -> tuple[int, tuple, tuple]:
     """A dot operand and its dims, seen through a transpose folded into the dot."""
     p = graph.producers.get(v)

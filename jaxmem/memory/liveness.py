@@ -35,6 +35,7 @@ from jaxmem.memory.fusion import (
 from jaxmem.memory.precision import buffer_sizes, operand_copies
 from jaxmem.memory.random_bits import random_bits_counters, random_bits_sizes
 from jaxmem.memory.readers import distinct_full_operands
+from jaxmem.memory.reductions import reduction_sizes
 from jaxmem.memory.scatters import batched_index_tuples, scattered_zeros
 from jaxmem.memory.schedule import BFS_BACKENDS
 from jaxmem.memory.windows import conv_copies, max_pool_gradient_buffers, window_broadcasts
@@ -93,8 +94,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     used = used_nodes(graph) if used is None else used
     library = library_fusions(graph, used, backend) if library is None else library
     owner = library_owner(graph, used, library) if owner is None else owner
-    widened, bits = buffer_sizes(graph, owner, backend), random_bits_sizes(graph, backend)
-    sizes = {**widened, **row_fused_sizes(graph, owner, widened, backend, library.rows), **bits}
+    widened, bits, sizes = _sizes(graph, owner, used, backend, library)
     size = lambda v: sizes.get(v, graph.values[v].nbytes)  # noqa: E731
     srcs = _buffer_sources(graph, owner)
     copied: set[tuple[int, int]] = set()
@@ -123,6 +123,17 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
               *library_extras(graph, order, used, backend, library)):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
     return tuple(buffers)
+
+
+def _sizes(graph: Graph, owner: dict[int, int], used: Sequence[bool], backend: str,
+           library: Library) -> tuple[dict[int, sympy.Expr], ...]:
+    """``(widened, bits, sizes)``: buffer bytes that differ from the jaxpr's (float32
+    buffers of low-precision values; a random-bits loop's; all of them, with the values
+    library fusions compute from their thresholds on)."""
+    widened, bits = buffer_sizes(graph, owner, backend), random_bits_sizes(graph, backend)
+    return widened, bits, {
+        **widened, **row_fused_sizes(graph, owner, widened, backend, library.rows),
+        **reduction_sizes(graph, library.reductions, used, widened), **bits}
 
 
 def _copy_reads(graph: Graph, x: Extra, base: dict[int, int],

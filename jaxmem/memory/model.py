@@ -28,8 +28,8 @@ Example:
     >>> f = lambda x: jnp.tanh(x @ x.T).sum()
     >>> g = build_graph(jax.make_jaxpr(f)(jax.ShapeDtypeStruct((b, 8), jnp.float32)))
     >>> m = memory_model(g, ShapeDomain.from_constraints(("b",), ("b <= 64",)))
-    >>> m.peak_bytes  # on XLA CPU the sum's library fusion computes the dot's result
-    32*b + 4
+    >>> m.peak_bytes  # from 4096 elements XLA CPU's sum computes the dot's result itself
+    4*b**2*Piecewise((1, b**2 < 4096), (0, True)) + 32*b + 4
 """
 
 from __future__ import annotations

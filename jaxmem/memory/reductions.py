@@ -1,0 +1,250 @@
+"""XLA CPU's library fusions that grow from a reduction through dots.
+
+XLA's CPU ``LibraryRewriter`` starts a fusion at each float32 reduction (from the
+program's end backwards) and grows it breadth first through the ops the library runs:
+elementwise ops, views, other reductions and dots (:func:`_reduction_region`). In a
+forward-only step (an eval loss) such a fusion takes in whole chains of matmuls
+(``mean((tanh(x @ w1) @ w2 - y) ** 2)`` is one fusion, no intermediate buffer), and a
+softmax with the dot that reads its probabilities. A train step keeps its activations
+for the backward pass, so its fusions stop at the first value read outside; fusions
+without a dot change nothing the elementwise rules do not already give.
+
+A fusion exists from :data:`LIBRARY_MIN_ELEMENTS` reduced elements on (measured, jax
+0.10.2: ``tanh(x @ w).sum()`` over 2048 elements is a dot fusion and a loop fusion,
+over 4096 one library fusion, whatever the axes), so the values it computes take a
+``Piecewise`` size, full below the threshold and none from it on
+(:func:`reduction_sizes`): a symbolic trace and a concrete one get the same buffers.
+Such a fusion reads the scalar constants other ops share as full-size buffers
+(:func:`reduction_constants`). Row sums' fusions have rules of their own as well
+(:mod:`jaxmem.memory.ynn`).
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem.graph import build_graph
+    >>> g = build_graph(jax.make_jaxpr(lambda x, w: jnp.tanh(x @ w).sum())(
+    ...     jnp.ones((64, 64)), jnp.ones((64, 64))))
+    >>> used = [True] * len(g.nodes)
+    >>> fusions = reduction_fusions(g, used)
+    >>> sorted((g.nodes[g.producers[v]].primitive, size)
+    ...        for v, size in reduction_sizes(g, fusions, used, {}).items())
+    [('dot_general', 0), ('tanh', 0)]
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import sympy
+
+from jaxmem.graph import Graph, Node
+from jaxmem.memory.fusion import Extra, copied_operands
+from jaxmem.memory.library import (
+    LIBRARY_ELEMENTWISE,
+    constant_operands,
+    constant_readers,
+    element_count,
+)
+from jaxmem.memory.ynn import YNN_MIN_ROWS, below_rows, from_rows
+
+#: Reductions that start a library fusion (``IsReduceOpSupportedByYnn``: add, max, min).
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
+#: Reduced elements from which a reduction is a library fusion (the same 4096 as YNN's
+#: row threshold, whose step function serves both).
+LIBRARY_MIN_ELEMENTS = YNN_MIN_ROWS
+#: Views a reduction's library fusion grows through (bitcasts and broadcasts in HLO;
+#: ``stop_gradient`` is the identity).
+_FUSED_VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "stop_gradient",
+                          "broadcast_in_dim"})
+
+
+#: What a dim counts for when :func:`_small` sizes a reduction symbolically.
+_TYPICAL_DIM = 256
+
+
+class ReductionFusion(NamedTuple):
+    """A reduction's library fusion: the elements it reduces, and its nodes."""
+
+    reduced: sympy.Expr
+    nodes: frozenset[int]
+
+
+def reduction_fusions(graph: Graph, used: Sequence[bool]) -> list[ReductionFusion]:
+    """Each used float32 reduction's library fusion that holds a dot, the fusions found
+    from the program's end backwards, as XLA starts them."""
+    out: list[ReductionFusion] = []
+    taken: set[int] = set()
+    # Readers XLA removes do not count (a dropped gradient's forward residuals).
+    consumers = {v: [c for c in cs if used[c]] for v, cs in graph.consumers.items()}
+    for node in reversed(graph.nodes):
+        if (node.primitive in _REDUCTIONS and used[node.index] and node.index not in taken
+                and node.inputs and graph.values[node.inputs[0]].dtype == "float32"
+                and not _small(element_count(graph, node.inputs[0]))):
+            region = _reduction_region(graph, node, consumers, taken)
+            taken |= region
+            if any(graph.nodes[n].primitive == "dot_general" for n in region):
+                out.append(ReductionFusion(element_count(graph, node.inputs[0]),
+                                           frozenset(region)))
+    return out
+
+
+def _small(reduced: sympy.Expr) -> bool:
+    """A reduction taken as no fusion's start: under the threshold, each dim counted as
+    :data:`_TYPICAL_DIM` (a mean over the batch of per-example losses; XLA's fusion
+    starts at their row sums). Any other count decides per shape, by
+    :func:`reduction_sizes`' step, which a concrete trace takes at its numbers."""
+    reduced = sympy.sympify(reduced)
+    typical = reduced.subs({x: _TYPICAL_DIM for x in reduced.free_symbols})
+    return bool(typical < LIBRARY_MIN_ELEMENTS)
+
+
+def reduction_sizes(graph: Graph, fusions: Sequence[ReductionFusion], used: Sequence[bool],
+                    widened: Mapping[int, sympy.Expr]) -> dict[int, sympy.Expr]:
+    """Buffer bytes of the values :func:`reduction_fusions`' fusions compute (their
+    readers all inside): none from :data:`LIBRARY_MIN_ELEMENTS` reduced elements on.
+    ``widened``: sizes other rules already changed."""
+    outputs = set(graph.outputs)
+    out: dict[int, sympy.Expr] = {}
+    for f in fusions:
+        factor = below_rows(f.reduced)
+        for n in f.nodes:
+            for o in graph.nodes[n].outputs:
+                if o not in outputs and all(c in f.nodes or not used[c]
+                                            for c in graph.consumers.get(o, ())):
+                    out[o] = sympy.expand(widened.get(o, graph.values[o].nbytes) * factor)
+    return out
+
+
+def reduction_roots(graph: Graph, fusions: Sequence[ReductionFusion], used: Sequence[bool]
+                    ) -> frozenset[int]:
+    """The values :func:`reduction_fusions`' fusions write for readers outside them: a
+    library fusion's result is a buffer, even where XLA's loop fusion would recompute
+    the op in each reader (``logits - max``, read by the exponential's sum and by the
+    log-probabilities: measured, a cross-entropy gradient at (8, 256))."""
+    outputs = set(graph.outputs)
+    return frozenset(o for f in fusions for n in f.nodes for o in graph.nodes[n].outputs
+                     if o in outputs or any(c not in f.nodes and used[c]
+                                            for c in graph.consumers.get(o, ())))
+
+
+def _reduction_region(graph: Graph, seed: Node, consumers: Mapping[int, list[int]],
+                      taken: set[int]) -> set[int]:
+    """The reduction and the ops its library fusion takes in, breadth first as XLA's
+    ``FuseNeighbors`` grows it: from an op taken going up (and the reduction), each
+    operand whose readers the fusion then all holds; from an op taken going down (and the
+    reduction), its only reader (``logits - max``; a softmax's normalisation, and the dot
+    reading its probabilities in place). ``taken``: ops other fusions hold."""
+    producers, nodes = graph.producers, graph.nodes
+    region = {seed.index}
+    queue: collections.deque[tuple[int, int | None]] = collections.deque()
+
+    def candidates(ni: int, up: bool, down: bool) -> None:
+        copied = (copied_operands(graph, nodes[ni], {})
+                  if nodes[ni].primitive == "dot_general" else ())
+        for v in nodes[ni].inputs if up else ():
+            p = producers.get(v)
+            if (p is not None and p not in taken and p not in region and v not in copied
+                    and all(c in region for c in consumers.get(v, ()))):
+                queue.append((p, None))
+        outs = nodes[ni].outputs
+        readers = consumers.get(outs[0], ()) if down and len(outs) == 1 else ()
+        if len(readers) == 1 and readers[0] not in taken:
+            queue.append((readers[0], outs[0]))
+
+    candidates(seed.index, True, True)
+    while queue:
+        ni, via = queue.popleft()  # via: the value a downward step reads (None: upward)
+        node = nodes[ni]
+        if ni in region or not _library_op(graph, node) or (
+                via is not None and node.primitive == "dot_general"
+                and not _read_in_place(graph, node, via)):
+            continue
+        region.add(ni)
+        candidates(ni, via is None, via is not None and node.primitive != "dot_general")
+        if not queue:  # a dot whose readers the fusion now all holds merges its own in
+            queue.extend((p, None) for p in _held_dots(graph, region, consumers, taken))
+    return region
+
+
+def _held_dots(graph: Graph, region: set[int], consumers: Mapping[int, list[int]],
+               taken: set[int]) -> list[int]:
+    """Dots outside ``region`` whose result only ``region`` reads (the logits' dot, read
+    by a log-softmax's row max and by ``logits - max``)."""
+    out = []
+    for v in {i for n in region for i in graph.nodes[n].inputs}:
+        p = graph.producers.get(v)
+        if (p is not None and p not in region and p not in taken
+                and graph.nodes[p].primitive == "dot_general"
+                and all(c in region for c in consumers.get(v, ()))):
+            out.append(p)
+    return out
+
+
+def _library_op(graph: Graph, node: Node) -> bool:
+    """An op a reduction's library fusion takes in: float32 results of the library's
+    elementwise ops, views, reductions and dots."""
+    if len(node.outputs) != 1 or graph.values[node.outputs[0]].dtype != "float32":
+        return False
+    if node.primitive in LIBRARY_ELEMENTWISE or node.primitive in _FUSED_VIEWS:
+        return True
+    if node.primitive in _REDUCTIONS:
+        return bool(node.inputs) and graph.values[node.inputs[0]].dtype == "float32"
+    return (node.primitive == "dot_general" and len(node.inputs) == 2
+            and all(graph.values[v].dtype == "float32" for v in node.inputs))
+
+
+def _read_in_place(graph: Graph, dot: Node, v: int) -> bool:
+    """Whether the library's dot reads operand ``v`` as laid out: one XLA does not copy
+    (:func:`~jaxmem.memory.fusion.copied_operands`) whose batch dims lead, counting unit
+    dims (``jax.nn.dot_product_attention``'s probabilities ``[1, b, h, t, s]``, batch dims
+    1 and 2, are copied first; an einsum's ``[b, h, t, s]`` are read in place)."""
+    if v in copied_operands(graph, dot, {}):
+        return False
+    (_, _), (lb, rb) = dict(dot.params)["dimension_numbers"]
+    batch = lb if v == dot.inputs[0] else rb
+    return tuple(batch) == tuple(range(len(batch)))
+
+
+def reduction_constants(graph: Graph, order: Sequence[int], used: Sequence[bool],
+                        fusions: Sequence[ReductionFusion],
+                        taken: frozenset[tuple] = frozenset()) -> list[Extra]:
+    """Full-size broadcasts of the scalar constants the ops before a dot in
+    :func:`reduction_fusions`' fusions read, where other ops read them too (gelu's four,
+    shared by every layer's MLP through XLA's CSE: the fusion takes the shared broadcast
+    as an operand, a buffer from the program's start to the fusion; measured, a 2-layer
+    GPT eval step at (8, 256): four ``f32[8, 256, 512]``). A constant after the fusion's
+    last dot (a loss's, at the logits' shape) is not one (the GPT train step's level 1 at
+    (8, 512): +9.7 % with it -> +10.5 %). ``taken``: constant keys another rule counts."""
+    if not fusions:
+        return []
+    readers = constant_readers(graph, used)
+    pos = {n: p for p, n in enumerate(order)}
+    shared: dict[tuple, Extra] = {}
+    for f in fusions:
+        end = max(pos[n] for n in f.nodes)
+        keys = {k for n in _before_dots(graph, f.nodes)
+                for k in constant_operands(graph, graph.nodes[n])}
+        for key in sorted(keys - taken, key=repr):
+            if key in shared:
+                x = shared[key]
+                shared[key] = Extra(x.value, x.nbytes, 0, max(x.end, end), x.note)
+            elif any(u not in f.nodes for u in readers[key]):
+                _, shape, itemsize = key
+                shared[key] = Extra(graph.nodes[min(f.nodes)].outputs[0], sympy.expand(
+                    itemsize * sympy.Mul(*shape) * from_rows(f.reduced)), 0, end,
+                    "library fusion constant operand")
+    return list(shared.values())
+
+
+def _before_dots(graph: Graph, region: frozenset[int]) -> set[int]:
+    """The nodes of ``region`` a dot in it reads from, directly or through others."""
+    nodes, producers = graph.nodes, graph.producers
+    frontier = [v for n in region if nodes[n].primitive == "dot_general" for v in nodes[n].inputs]
+    seen: set[int] = set()
+    while frontier:
+        p = producers.get(frontier.pop())
+        if p is not None and p in region and p not in seen:
+            seen.add(p)
+            frontier.extend(nodes[p].inputs)
+    return seen
