@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -75,8 +76,7 @@ def reduction_fusions(graph: Graph, used: Sequence[bool]) -> list[ReductionFusio
     from the program's end backwards, as XLA starts them."""
     out: list[ReductionFusion] = []
     taken: set[int] = set()
-    # Readers XLA removes do not count (a dropped gradient's forward residuals).
-    consumers = {v: [c for c in cs if used[c]] for v, cs in graph.consumers.items()}
+    consumers = _UsedReaders(graph, used)
     for node in reversed(graph.nodes):
         if (node.primitive in _REDUCTIONS and used[node.index] and node.index not in taken
                 and node.inputs and graph.values[node.inputs[0]].dtype == "float32"
@@ -89,6 +89,20 @@ def reduction_fusions(graph: Graph, used: Sequence[bool]) -> list[ReductionFusio
     return out
 
 
+class _UsedReaders(dict[int, list[int]]):
+    """A value's readers XLA keeps (a dropped gradient's forward residuals do not count),
+    found when first asked for: a fusion's walk reads a few of a graph's values."""
+
+    def __init__(self, graph: Graph, used: Sequence[bool]) -> None:
+        super().__init__()
+        self._graph, self._used = graph, used
+
+    def __missing__(self, v: int) -> list[int]:
+        self[v] = [c for c in self._graph.consumers.get(v, ()) if self._used[c]]
+        return self[v]
+
+
+@functools.cache  # a step's reductions have few distinct sizes; sympy's subs is slow
 def _small(reduced: sympy.Expr) -> bool:
     """A reduction taken as no fusion's start: under the threshold, each dim counted as
     :data:`_TYPICAL_DIM` (a mean over the batch of per-example losses; XLA's fusion
@@ -128,7 +142,7 @@ def reduction_roots(graph: Graph, fusions: Sequence[ReductionFusion], used: Sequ
                                             for c in graph.consumers.get(o, ())))
 
 
-def _reduction_region(graph: Graph, seed: Node, consumers: Mapping[int, list[int]],
+def _reduction_region(graph: Graph, seed: Node, consumers: _UsedReaders,
                       taken: set[int]) -> set[int]:
     """The reduction and the ops its library fusion takes in, breadth first as XLA's
     ``FuseNeighbors`` grows it: from an op taken going up (and the reduction), each
@@ -145,10 +159,10 @@ def _reduction_region(graph: Graph, seed: Node, consumers: Mapping[int, list[int
         for v in nodes[ni].inputs if up else ():
             p = producers.get(v)
             if (p is not None and p not in taken and p not in region and v not in copied
-                    and all(c in region for c in consumers.get(v, ()))):
+                    and all(c in region for c in consumers[v])):
                 queue.append((p, None))
         outs = nodes[ni].outputs
-        readers = consumers.get(outs[0], ()) if down and len(outs) == 1 else ()
+        readers = consumers[outs[0]] if down and len(outs) == 1 else ()
         if len(readers) == 1 and readers[0] not in taken:
             queue.append((readers[0], outs[0]))
 
@@ -167,7 +181,7 @@ def _reduction_region(graph: Graph, seed: Node, consumers: Mapping[int, list[int
     return region
 
 
-def _held_dots(graph: Graph, region: set[int], consumers: Mapping[int, list[int]],
+def _held_dots(graph: Graph, region: set[int], consumers: _UsedReaders,
                taken: set[int]) -> list[int]:
     """Dots outside ``region`` whose result only ``region`` reads (the logits' dot, read
     by a log-softmax's row max and by ``logits - max``)."""
@@ -176,7 +190,7 @@ def _held_dots(graph: Graph, region: set[int], consumers: Mapping[int, list[int]
         p = graph.producers.get(v)
         if (p is not None and p not in region and p not in taken
                 and graph.nodes[p].primitive == "dot_general"
-                and all(c in region for c in consumers.get(v, ()))):
+                and all(c in region for c in consumers[v])):
             out.append(p)
     return out
 
