@@ -1,6 +1,12 @@
-"""Exception types raised by jaxmem. All derive from :class:`JaxmemError`."""
+"""Exception types raised by jaxmem. All derive from :class:`JaxmemError`; warnings are
+:class:`JaxmemWarning`, issued by :func:`warn` at the user's line."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
 
 
 class JaxmemError(Exception):
@@ -42,3 +48,32 @@ class SymbolicError(JaxmemError):
 class JaxmemWarning(UserWarning):
     """A conservative estimate was used (unknown primitive, host callback, ...), or a
     request was narrowed (a gradient microbatching cannot split, taken whole)."""
+
+
+def warn(message: str) -> None:
+    """Issue ``message`` as a :class:`JaxmemWarning` located at the first frame outside
+    jaxmem, JAX and Python's standard library (``contextlib``): the user's line that
+    called jaxmem, or the line of their step that JAX was tracing (so that filters by
+    module, and ``-W error``, see the user's file).
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as seen:
+        ...     warnings.simplefilter("always")
+        ...     warn("jaxmem: an example")
+        >>> seen[0].category.__name__, seen[0].filename.endswith("errors.py")
+        ('JaxmemWarning', False)
+    """
+    jax = sys.modules.get("jax")
+    own = (os.path.dirname(__file__) + os.sep,
+           *([os.path.dirname(jax.__file__) + os.sep] if jax and jax.__file__ else []))
+    std = os.path.dirname(contextlib.__file__) + os.sep
+
+    def internal(name: str) -> bool:
+        return name.startswith(own) or (
+            name.startswith(std) and not name.startswith(f"{std}site-packages{os.sep}"))
+
+    frame, level = sys._getframe(1), 1
+    while frame is not None and internal(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, JaxmemWarning, stacklevel=level + 1)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -36,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-from jaxmem.errors import JaxmemWarning
+from jaxmem.errors import warn
 
 SCOPE = "jaxmem_value_and_grad"
 
@@ -102,8 +101,7 @@ def _splittable(fun: Callable[..., Any], args: Sequence[Any], kw: dict[str, Any]
                       "mean?); microbatching weights chunks by their rows, which recovers "
                       "only a mean over rows")
     if reason:
-        warnings.warn(f"jaxmem.value_and_grad: {reason}. This gradient is taken unsplit.",
-                      JaxmemWarning, stacklevel=3)
+        warn(f"jaxmem.value_and_grad: {reason}. This gradient is taken unsplit.")
     return reason is None
 
 

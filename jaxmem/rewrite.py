@@ -23,13 +23,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import jax
 
+from jaxmem.errors import warn
 from jaxmem.grad import microbatching
-from jaxmem.graph import Graph, JaxmemWarning, build_graph
+from jaxmem.graph import Graph, build_graph
 from jaxmem.plan.analysis import Analysis, as_struct
 from jaxmem.plan.bodies import BodyLevel, apply_body_plan, apply_in_chunks
 from jaxmem.plan.loops import with_loop_plan
@@ -101,9 +101,8 @@ def rewrite_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tup
         if [n.primitive for n in rewritten.nodes] == [n.primitive for n in level.graph.nodes]:
             rewritten, enforced = reorder(rewritten, order), True
         else:
-            warnings.warn("jaxmem: the concrete trace differs from the symbolic one; the "
-                          "scheduler's order is not applied at this shape", JaxmemWarning,
-                          stacklevel=3)
+            warn("jaxmem: the concrete trace differs from the symbolic one; the "
+                          "scheduler's order is not applied at this shape")
     return Rewritten(rewritten, jax.tree_util.tree_structure(out_shape), enforced)
 
 
@@ -121,8 +120,7 @@ def _rewrite_top(analysis: Analysis, k: int, graph: Graph) -> Graph:
     recompute, offload = set(level.recompute), set(level.offload)
     missing = sorted((recompute | offload) - {r.group for r in residuals})
     if missing:
-        warnings.warn(f"jaxmem: the concrete trace has no residual group {missing} of "
-                      f"level {k}; those residuals stay saved at this shape", JaxmemWarning,
-                      stacklevel=4)
+        warn(f"jaxmem: the concrete trace has no residual group {missing} of "
+                      f"level {k}; those residuals stay saved at this shape")
     return apply_remat(graph, [r for r in residuals if r.group in recompute],
                        [r for r in residuals if r.group in offload], residuals)

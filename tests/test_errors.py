@@ -200,3 +200,17 @@ def test_non_callable():
 def test_bad_scheduler():
     with pytest.raises(TypeError, match="Scheduler"):
         jaxmem.jit(grad_step, scheduler="fast")
+
+
+def test_warnings_point_at_the_users_line() -> None:
+    # A host callback jaxmem cannot model warns at the line that asked for the analysis,
+    # not inside jaxmem (a filter by module, or -W error, then sees the user's file).
+    def step(x: jax.Array) -> jax.Array:
+        jax.debug.callback(lambda v: None, x)
+        return jnp.tanh(x).sum()
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        jaxmem.analyze(step, jax.ShapeDtypeStruct((8, 4), jnp.float32))
+    ours = [w for w in seen if issubclass(w.category, jaxmem.JaxmemWarning)]
+    assert ours and all(w.filename == __file__ for w in ours), [w.filename for w in ours]

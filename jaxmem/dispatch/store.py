@@ -43,7 +43,6 @@ import pathlib
 import tempfile
 import threading
 import time
-import warnings
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -52,8 +51,8 @@ import jax
 import jaxlib
 
 from jaxmem.dispatch.costs import CostLog, costs_path
+from jaxmem.errors import warn
 from jaxmem.exprjson import UnencodableError
-from jaxmem.graph import JaxmemWarning
 from jaxmem.plan.analysis import Analysis, Orders, PlanInputs, derive_plans
 from jaxmem.plan.levels import PlanSet
 from jaxmem.plan.stored import StaleEntryError, decode_plans, encode_plans
@@ -224,8 +223,7 @@ class AnalysisStore:
             try:
                 write_entry(entry[0], entry[1], log.to_json())
             except OSError as e:
-                warnings.warn(f"jaxmem: compile and step times not stored: {e}", JaxmemWarning,
-                              stacklevel=3)
+                warn(f"jaxmem: compile and step times not stored: {e}")
 
     def analyze(self, run: Callable[[Callable[[PlanInputs], tuple[PlanSet, Orders]]], Analysis]
                 ) -> Analysis:
@@ -274,5 +272,4 @@ def _save(path: pathlib.Path, key: str, plans: PlanSet, orders: Orders,
     try:
         write_entry(path, key, encode_plans(plans, orders, inputs.graph))
     except (OSError, UnencodableError) as e:
-        warnings.warn(f"jaxmem: analysis not stored in {path.parent}: {e}", JaxmemWarning,
-                      stacklevel=4)
+        warn(f"jaxmem: analysis not stored in {path.parent}: {e}")

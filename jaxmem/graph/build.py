@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,8 +24,9 @@ import sympy
 from jax.extend import core as jcore
 
 from jaxmem.dims import to_sympy
+from jaxmem.errors import warn
 from jaxmem.graph.primitives import CALLBACK, kind_of
-from jaxmem.graph.types import Graph, JaxmemWarning, Node, Value
+from jaxmem.graph.types import Graph, Node, Value
 
 
 @functools.lru_cache(maxsize=4096)
@@ -174,13 +174,11 @@ def default_rule(b: Builder, env: dict, eqn: Any, scope: str) -> None:
         kind = kind_of("slice")
     if kind == "unknown":
         if name in CALLBACK:
-            warnings.warn(f"jaxmem: host callback {name!r} is treated as an opaque op whose "
-                          "results are materialised; its host-side memory is not modelled",
-                          JaxmemWarning, stacklevel=2)
+            warn(f"jaxmem: host callback {name!r} is treated as an opaque op whose "
+                          "results are materialised; its host-side memory is not modelled")
         else:
-            warnings.warn(f"jaxmem: unknown primitive {name!r}: conservative estimate "
-                          "(all results materialised, operands kept live until it runs)",
-                          JaxmemWarning, stacklevel=2)
+            warn(f"jaxmem: unknown primitive {name!r}: conservative estimate "
+                          "(all results materialised, operands kept live until it runs)")
         kind = "opaque"
     operands = [read_operand(env, a) for a in eqn.invars]
     ins = [v for v in operands if v is not None]

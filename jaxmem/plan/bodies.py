@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import sympy
 
-from jaxmem.graph import Graph, JaxmemWarning, Node, bind_eqn, build_graph, replaced
+from jaxmem.errors import warn
+from jaxmem.graph import Graph, Node, bind_eqn, build_graph, replaced
 from jaxmem.graph.build import dim_of
 from jaxmem.graph.types import RERUN_SCOPE, reruns
 from jaxmem.memory import memory_model
@@ -148,9 +148,8 @@ def rewrite_body(body: Graph, rule: BodyRule) -> Graph:
     if segments is None:
         missing = sorted(set(groups) - {r.group for r in residuals})
         if missing:
-            warnings.warn(f"jaxmem: this trace's scan body has no residual group {missing}; "
-                          "those residuals stay saved at this shape", JaxmemWarning,
-                          stacklevel=4)
+            warn(f"jaxmem: this trace's scan body has no residual group {missing}; "
+                          "those residuals stay saved at this shape")
         return apply_remat(body, [r for r in residuals if r.group in set(groups)], (),
                            residuals)
     return apply_segment_plan(body, segments, rule.batch, residuals,
@@ -165,9 +164,9 @@ def apply_body_plan(graph: Graph, plan: BodyPlan) -> Graph:
     """
     scans = body_scans(graph)
     if len(scans) != len(plan.rules):
-        warnings.warn(f"jaxmem: this trace has {len(scans)} scan bodies with residuals where "
+        warn(f"jaxmem: this trace has {len(scans)} scan bodies with residuals where "
                       f"{plan.name!r} was planned on {len(plan.rules)}; it is not applied at "
-                      "this shape", JaxmemWarning, stacklevel=3)
+                      "this shape")
         return graph
     nodes = list(graph.nodes)
     for index, rule in zip(scans, plan.rules, strict=True):

@@ -33,13 +33,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import sympy
 
-from jaxmem.graph import Builder, Graph, JaxmemWarning, Node, scan_counts
+from jaxmem.errors import warn
+from jaxmem.graph import Builder, Graph, Node, scan_counts
 from jaxmem.graph.build import dim_of
 from jaxmem.plan.offload import Costs
 from jaxmem.plan.remat import apply_remat
@@ -200,8 +200,8 @@ def apply_loop_plan(graph: Graph, plan: LoopPlan) -> Graph:
     """
     pairs = find_scan_pairs(graph)
     if not plan.fits(pairs):
-        warnings.warn(f"jaxmem: this trace's scan loops differ from those {plan.name!r} was "
-                      "planned on; it is not applied at this shape", JaxmemWarning, stacklevel=3)
+        warn(f"jaxmem: this trace's scan loops differ from those {plan.name!r} was "
+                      "planned on; it is not applied at this shape")
         return graph
     builder = Builder()
     builder.values = list(graph.values)

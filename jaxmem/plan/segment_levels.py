@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import sympy
 
+from jaxmem.errors import warn
 from jaxmem.fastexpr import sum_at
-from jaxmem.graph import Graph, JaxmemWarning
+from jaxmem.graph import Graph
 from jaxmem.memory import memory_model
 from jaxmem.plan.knapsack import frontier, spread
 from jaxmem.plan.level import Level
@@ -165,9 +165,9 @@ def apply_segment_plan(graph: Graph, plan: SegmentPlan, batch: Sequence[int],
     segs = find_segments(graph, batch=batch)
     kept = plan.kept_on(segs)
     if kept is None:
-        warnings.warn(f"jaxmem: {where} has {len(segs.cuts)} forward cuts where the symbolic "
+        warn(f"jaxmem: {where} has {len(segs.cuts)} forward cuts where the symbolic "
                       f"one has {plan.n_cuts}, and none of them align; {plan.name} "
-                      "is not applied at this shape", JaxmemWarning, stacklevel=5)
+                      "is not applied at this shape")
         return graph
     chosen, keep = segment_residuals(graph, segs, dataclasses.replace(plan, kept=kept),
                                      residuals)
