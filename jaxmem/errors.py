@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 import warnings
@@ -73,7 +74,8 @@ def warn(message: str) -> None:
         return name.startswith(own) or (
             name.startswith(std) and not name.startswith(f"{std}site-packages{os.sep}"))
 
-    frame, level = sys._getframe(1), 1
+    here = inspect.currentframe()
+    frame, level = (here.f_back if here else None), 1
     while frame is not None and internal(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, JaxmemWarning, stacklevel=level + 1)
