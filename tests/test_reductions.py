@@ -71,7 +71,7 @@ def test_forward_only_steps_within_two_percent_of_xla(fn) -> None:
 def _sizes(fn, *args) -> tuple[Graph, dict[int, object]]:
     g = build_graph(jax.make_jaxpr(fn)(*args))
     used = used_nodes(g)
-    return g, reduction_sizes(g, reduction_fusions(g, used), used, {})
+    return g, reduction_sizes(g, reduction_fusions(g, used), {})
 
 
 def test_a_train_step_keeps_its_forward_matmuls() -> None:

@@ -188,7 +188,7 @@ def library_owner(graph: Graph, used: Sequence[bool], library: Library) -> dict[
     owner = materialised(graph)
     return {**owner, **centred_values(graph, owner, used, library.rows),
             **column_products(graph, owner, library.columns),
-            **{v: v for v in reduction_roots(graph, library.reductions, used)}}
+            **{v: v for v in reduction_roots(library.reductions)}}
 
 
 def library_extras(graph: Graph, order: Sequence[int], used: Sequence[bool], backend: str,

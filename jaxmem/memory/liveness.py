@@ -133,7 +133,7 @@ def _sizes(graph: Graph, owner: dict[int, int], used: Sequence[bool], backend: s
     widened, bits = buffer_sizes(graph, owner, backend), random_bits_sizes(graph, backend)
     return widened, bits, {
         **widened, **row_fused_sizes(graph, owner, widened, backend, library.rows),
-        **reduction_sizes(graph, library.reductions, used, widened), **bits}
+        **reduction_sizes(graph, library.reductions, widened), **bits}
 
 
 def _copy_reads(graph: Graph, x: Extra, base: dict[int, int],

@@ -26,7 +26,7 @@ Example:
     >>> used = [True] * len(g.nodes)
     >>> fusions = reduction_fusions(g, used)
     >>> sorted((g.nodes[g.producers[v]].primitive, size)
-    ...        for v, size in reduction_sizes(g, fusions, used, {}).items())
+    ...        for v, size in reduction_sizes(g, fusions, {}).items())
     [('dot_general', 0), ('tanh', 0)]
 """
 
@@ -41,13 +41,8 @@ import sympy
 
 from jaxmem.graph import Graph, Node
 from jaxmem.memory.fusion import Extra, copied_operands
-from jaxmem.memory.library import (
-    LIBRARY_ELEMENTWISE,
-    constant_operands,
-    constant_readers,
-    element_count,
-)
-from jaxmem.memory.ynn import YNN_MIN_ROWS, below_rows, from_rows
+from jaxmem.memory.library import LIBRARY_ELEMENTWISE, element_count
+from jaxmem.memory.ynn import YNN_MIN_ROWS, ConstantUse, below_rows, shared_constants
 
 #: Reductions that start a library fusion (``IsReduceOpSupportedByYnn``: add, max, min).
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
@@ -65,10 +60,14 @@ _TYPICAL_DIM = 256
 
 
 class ReductionFusion(NamedTuple):
-    """A reduction's library fusion: the elements it reduces, and its nodes."""
+    """A reduction's library fusion: the elements it reduces, its nodes, the values it
+    computes for itself alone (``inner``) and those it writes for readers outside
+    (``roots``, the program's outputs among them)."""
 
     reduced: sympy.Expr
     nodes: frozenset[int]
+    inner: frozenset[int]
+    roots: frozenset[int]
 
 
 def reduction_fusions(graph: Graph, used: Sequence[bool]) -> list[ReductionFusion]:
@@ -84,9 +83,19 @@ def reduction_fusions(graph: Graph, used: Sequence[bool]) -> list[ReductionFusio
             region = _reduction_region(graph, node, consumers, taken)
             taken |= region
             if any(graph.nodes[n].primitive == "dot_general" for n in region):
-                out.append(ReductionFusion(element_count(graph, node.inputs[0]),
-                                           frozenset(region)))
+                out.append(_fusion(graph, node, frozenset(region), consumers))
     return out
+
+
+def _fusion(graph: Graph, seed: Node, region: frozenset[int],
+            consumers: _UsedReaders) -> ReductionFusion:
+    """``region``'s :class:`ReductionFusion`, its values split by where they are read."""
+    outputs = set(graph.outputs)
+    values = [o for n in region for o in graph.nodes[n].outputs]
+    roots = frozenset(o for o in values
+                      if o in outputs or any(c not in region for c in consumers[o]))
+    return ReductionFusion(element_count(graph, seed.inputs[0]), region,
+                           frozenset(values) - roots, roots)
 
 
 class _UsedReaders(dict[int, list[int]]):
@@ -113,33 +122,21 @@ def _small(reduced: sympy.Expr) -> bool:
     return bool(typical < LIBRARY_MIN_ELEMENTS)
 
 
-def reduction_sizes(graph: Graph, fusions: Sequence[ReductionFusion], used: Sequence[bool],
+def reduction_sizes(graph: Graph, fusions: Sequence[ReductionFusion],
                     widened: Mapping[int, sympy.Expr]) -> dict[int, sympy.Expr]:
-    """Buffer bytes of the values :func:`reduction_fusions`' fusions compute (their
-    readers all inside): none from :data:`LIBRARY_MIN_ELEMENTS` reduced elements on.
+    """Buffer bytes of the values :func:`reduction_fusions`' fusions compute for
+    themselves: none from :data:`LIBRARY_MIN_ELEMENTS` reduced elements on.
     ``widened``: sizes other rules already changed."""
-    outputs = set(graph.outputs)
-    out: dict[int, sympy.Expr] = {}
-    for f in fusions:
-        factor = below_rows(f.reduced)
-        for n in f.nodes:
-            for o in graph.nodes[n].outputs:
-                if o not in outputs and all(c in f.nodes or not used[c]
-                                            for c in graph.consumers.get(o, ())):
-                    out[o] = sympy.expand(widened.get(o, graph.values[o].nbytes) * factor)
-    return out
+    return {o: sympy.expand(widened.get(o, graph.values[o].nbytes) * below_rows(f.reduced))
+            for f in fusions for o in f.inner}
 
 
-def reduction_roots(graph: Graph, fusions: Sequence[ReductionFusion], used: Sequence[bool]
-                    ) -> frozenset[int]:
+def reduction_roots(fusions: Sequence[ReductionFusion]) -> frozenset[int]:
     """The values :func:`reduction_fusions`' fusions write for readers outside them: a
     library fusion's result is a buffer, even where XLA's loop fusion would recompute
     the op in each reader (``logits - max``, read by the exponential's sum and by the
     log-probabilities: measured, a cross-entropy gradient at (8, 256))."""
-    outputs = set(graph.outputs)
-    return frozenset(o for f in fusions for n in f.nodes for o in graph.nodes[n].outputs
-                     if o in outputs or any(c not in f.nodes and used[c]
-                                            for c in graph.consumers.get(o, ())))
+    return frozenset(o for f in fusions for o in f.roots)
 
 
 def _reduction_region(graph: Graph, seed: Node, consumers: _UsedReaders,
@@ -152,13 +149,12 @@ def _reduction_region(graph: Graph, seed: Node, consumers: _UsedReaders,
     producers, nodes = graph.producers, graph.nodes
     region = {seed.index}
     queue: collections.deque[tuple[int, int | None]] = collections.deque()
+    copied = _CopiedOperands(graph)
 
     def candidates(ni: int, up: bool, down: bool) -> None:
-        copied = (copied_operands(graph, nodes[ni], {})
-                  if nodes[ni].primitive == "dot_general" else ())
         for v in nodes[ni].inputs if up else ():
             p = producers.get(v)
-            if (p is not None and p not in taken and p not in region and v not in copied
+            if (p is not None and p not in taken and p not in region and v not in copied[ni]
                     and all(c in region for c in consumers[v])):
                 queue.append((p, None))
         outs = nodes[ni].outputs
@@ -172,7 +168,7 @@ def _reduction_region(graph: Graph, seed: Node, consumers: _UsedReaders,
         node = nodes[ni]
         if ni in region or not _library_op(graph, node) or (
                 via is not None and node.primitive == "dot_general"
-                and not _read_in_place(graph, node, via)):
+                and not _read_in_place(graph, node, via, copied[ni])):
             continue
         region.add(ni)
         candidates(ni, via is None, via is not None and node.primitive != "dot_general")
@@ -208,12 +204,28 @@ def _library_op(graph: Graph, node: Node) -> bool:
             and all(graph.values[v].dtype == "float32" for v in node.inputs))
 
 
-def _read_in_place(graph: Graph, dot: Node, v: int) -> bool:
+class _CopiedOperands(dict[int, frozenset[int]]):
+    """A dot's operands XLA copies (:func:`~jaxmem.memory.fusion.copied_operands`;
+    none for other ops), found when first asked for."""
+
+    def __init__(self, graph: Graph) -> None:
+        super().__init__()
+        self._graph = graph
+
+    def __missing__(self, n: int) -> frozenset[int]:
+        node = self._graph.nodes[n]
+        self[n] = frozenset(copied_operands(self._graph, node, {})
+                            if node.primitive == "dot_general" else ())
+        return self[n]
+
+
+def _read_in_place(graph: Graph, dot: Node, v: int, copied: frozenset[int]) -> bool:
     """Whether the library's dot reads operand ``v`` as laid out: one XLA does not copy
     (:func:`~jaxmem.memory.fusion.copied_operands`) whose batch dims lead, counting unit
     dims (``jax.nn.dot_product_attention``'s probabilities ``[1, b, h, t, s]``, batch dims
-    1 and 2, are copied first; an einsum's ``[b, h, t, s]`` are read in place)."""
-    if v in copied_operands(graph, dot, {}):
+    1 and 2, are copied first; an einsum's ``[b, h, t, s]`` are read in place).
+    ``copied``: the operands XLA copies."""
+    if v in copied:
         return False
     (_, _), (lb, rb) = dict(dot.params)["dimension_numbers"]
     batch = lb if v == dot.inputs[0] else rb
@@ -230,25 +242,11 @@ def reduction_constants(graph: Graph, order: Sequence[int], used: Sequence[bool]
     GPT eval step at (8, 256): four ``f32[8, 256, 512]``). A constant after the fusion's
     last dot (a loss's, at the logits' shape) is not one (the GPT train step's level 1 at
     (8, 512): +9.7 % with it -> +10.5 %). ``taken``: constant keys another rule counts."""
-    if not fusions:
-        return []
-    readers = constant_readers(graph, used)
     pos = {n: p for p, n in enumerate(order)}
-    shared: dict[tuple, Extra] = {}
-    for f in fusions:
-        end = max(pos[n] for n in f.nodes)
-        keys = {k for n in _before_dots(graph, f.nodes)
-                for k in constant_operands(graph, graph.nodes[n])}
-        for key in sorted(keys - taken, key=repr):
-            if key in shared:
-                x = shared[key]
-                shared[key] = Extra(x.value, x.nbytes, 0, max(x.end, end), x.note)
-            elif any(u not in f.nodes for u in readers[key]):
-                _, shape, itemsize = key
-                shared[key] = Extra(graph.nodes[min(f.nodes)].outputs[0], sympy.expand(
-                    itemsize * sympy.Mul(*shape) * from_rows(f.reduced)), 0, end,
-                    "library fusion constant operand")
-    return list(shared.values())
+    return shared_constants(graph, used, [ConstantUse(
+        frozenset(_before_dots(graph, f.nodes)), f.nodes, max(pos[n] for n in f.nodes),
+        f.reduced, graph.nodes[min(f.nodes)].outputs[0]) for f in fusions],
+        "library fusion constant operand", taken)
 
 
 def _before_dots(graph: Graph, region: frozenset[int]) -> set[int]:

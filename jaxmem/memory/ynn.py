@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import sympy
 
@@ -280,24 +281,43 @@ def prologue_constants(graph: Graph, order: Sequence[int], used: Sequence[bool],
     if backend != "cpu":
         return []
     fusions = [f for f in (row_fusions(graph, used) if fusions is None else fusions) if f[3]]
-    if not fusions:
+    pos = {n: p for p, n in enumerate(order)}
+    return shared_constants(graph, used, [ConstantUse(
+        frozenset(chain), frozenset(chain), max(pos[n] for n in fused),
+        sympy.Mul(*graph.values[graph.nodes[reduction].outputs[0]].shape),
+        graph.nodes[reduction].inputs[0]) for reduction, fused, _, chain in fusions],
+        "YNN fusion constant operand")
+
+
+class ConstantUse(NamedTuple):
+    """Where a library fusion takes shared scalar constants in as buffers."""
+
+    chain: frozenset[int]  # the ops whose constant operands it reads as buffers
+    inside: frozenset[int]  # the readers it holds itself
+    end: int  # its last op's position
+    rows: sympy.Expr  # its rows (or reduced elements): no buffer below the threshold
+    value: int  # the value the buffers are noted against
+
+
+def shared_constants(graph: Graph, used: Sequence[bool], uses: Sequence[ConstantUse],
+                     note: str, taken: frozenset[tuple] = frozenset()) -> list[Extra]:
+    """One full-size broadcast per scalar constant and shape (XLA's CSE) that a fusion in
+    ``uses`` reads and an op outside it reads too, from the program's start to the last
+    such fusion; a bfloat16 constant counts as float32 (XLA CPU computes a bf16 chain
+    in float32). ``taken``: constant keys another rule counts."""
+    if not uses:
         return []
     readers = constant_readers(graph, used)
-    pos = {n: p for p, n in enumerate(order)}
-    shared: dict[tuple, Extra] = {}  # one broadcast per constant and shape (CSE)
-    for reduction, fused, _, chain in fusions:
-        rows = sympy.Mul(*graph.values[graph.nodes[reduction].outputs[0]].shape)
-        end = max(pos[ni] for ni in fused)
-        keys = {k for ni in chain for k in constant_operands(graph, graph.nodes[ni])}
-        for key in sorted(keys, key=repr):
+    shared: dict[tuple, Extra] = {}
+    for use in uses:
+        keys = {k for n in use.chain for k in constant_operands(graph, graph.nodes[n])}
+        for key in sorted(keys - taken, key=repr):
             if key in shared:
-                x = shared[key]
-                shared[key] = Extra(x.value, x.nbytes, x.start, max(x.end, end), x.note)
-            elif any(u not in chain for u in readers[key]):
-                _, shape, itemsize = key  # XLA CPU computes a bf16 chain in float32
-                nbytes = sympy.expand(max(itemsize, 4) * sympy.Mul(*shape) * from_rows(rows))
-                shared[key] = Extra(graph.nodes[reduction].inputs[0], nbytes, 0, end,
-                                    "YNN fusion constant operand")
+                shared[key] = shared[key]._replace(end=max(shared[key].end, use.end))
+            elif any(u not in use.inside for u in readers[key]):
+                _, shape, itemsize = key
+                nbytes = sympy.expand(max(itemsize, 4) * sympy.Mul(*shape) * from_rows(use.rows))
+                shared[key] = Extra(use.value, nbytes, 0, use.end, note)
     return list(shared.values())
 
 
