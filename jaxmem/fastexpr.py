@@ -37,7 +37,8 @@ def compile_expr(symbols: Sequence[sympy.Symbol], expr: sympy.Expr) -> Callable[
         symbols: the arguments, in order.
         expr: a sympy expression built from integers, rationals, symbols, ``+``,
             ``*``, integer powers, ``Min``, ``Max``, ``Piecewise``, ``floor``,
-            ``Mod`` and relations; anything else falls back to ``sympy.lambdify``.
+            ``Mod``, relations, ``And``, ``Or``, ``Not`` and ``ITE``; anything else
+            falls back to ``sympy.lambdify``.
 
     Returns:
         The function.
@@ -110,6 +111,10 @@ def _node(e: sympy.Basic, names: dict, memo: dict, lines: list[str]) -> str:
         return " and ".join(f"({a})" for a in args)
     if isinstance(e, sympy.Or):
         return " or ".join(f"({a})" for a in args)
+    if isinstance(e, sympy.ITE):
+        return f"({args[1]} if {args[0]} else {args[2]})"
+    if isinstance(e, sympy.Not):
+        return f"(not {args[0]})"
     if isinstance(e, sympy.floor):
         return f"floor({args[0]})"
     if isinstance(e, sympy.Mod):
