@@ -117,21 +117,20 @@ def constant_operands(graph: Graph, node: Node, fold: bool = True) -> list[tuple
     out = graph.values[node.outputs[0]]
     if not out.shape:
         return []
-    itemsize = out.nbytes / sympy.Mul(*out.shape)
     atoms = list(node.eqn.invars) if node.eqn is not None else []
     for v in node.inputs:
         p = graph.producers.get(v)
         b = graph.nodes[p] if p is not None else None
         if b is not None and b.primitive == "broadcast_in_dim" and not b.inputs and b.eqn:
             atoms.append(b.eqn.invars[0])
+    vals = [float(val) for atom in atoms
+            if (val := getattr(atom, "val", None)) is not None and getattr(val, "shape", ()) == ()]
+    if not vals:  # most ops: nothing below is worth its sympy division
+        return []
     if fold and node.primitive in ("mul", "div") and any(_scaled(graph, v) for v in node.inputs):
         return []  # XLA's simplifier folds c1 * (c2 * x) into one constant
-    keys = []
-    for atom in atoms:
-        val = getattr(atom, "val", None)
-        if val is not None and getattr(val, "shape", ()) == ():
-            keys.append((float(val), out.shape, itemsize))
-    return keys
+    itemsize = out.nbytes / sympy.Mul(*out.shape)
+    return [(val, out.shape, itemsize) for val in vals]
 
 
 def constant_readers(graph: Graph, used: Sequence[bool]) -> dict[tuple, list[int]]:
