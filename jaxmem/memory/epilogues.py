@@ -21,6 +21,7 @@ import sympy
 
 from jaxmem.graph import Graph, Node
 from jaxmem.memory.fusion import Extra, element_count
+from jaxmem.memory.library import from_rows
 
 
 def epilogue_broadcasts(graph: Graph, order: Sequence[int], owner: dict[int, int],
@@ -63,6 +64,11 @@ def epilogue_broadcasts(graph: Graph, order: Sequence[int], owner: dict[int, int
                     nxt.append(e.outputs[0])
             frontier = nxt
     return _merged_by_source(graph, out)
+
+
+def _library_dot(graph: Graph, dot: Node) -> bool:
+    """A float32 dot: XLA CPU's library runs it."""
+    return all(graph.values[v].dtype == "float32" for v in dot.inputs)
 
 
 def _merged_by_source(graph: Graph, extras: list[Extra]) -> list[Extra]:
@@ -114,7 +120,10 @@ def _broadcast_operands(graph: Graph, e: Node, region: set[int], owner: dict[int
         here = pos[e.index]
         start = min(first_def.get(o, 0), here) if o != -1 else here
         itemsize = graph.values[e.outputs[0]].nbytes / size
-        out.append(Extra(x, sympy.expand(size * itemsize), start, here,
+        # A library dot's fusion exists from its threshold on (attention's 1/sum
+        # broadcast at (2, 512): read in place by a loop fusion).
+        gate = from_rows(small) if _library_dot(graph, graph.nodes[dot]) else 1
+        out.append(Extra(x, sympy.expand(size * itemsize * gate), start, here,
                          "broadcast epilogue operand"))
     return out
 
@@ -146,3 +155,4 @@ def _depends_on(graph: Graph, pos: dict[int, int], v: int, node: int, hops: int 
                     nxt.append(i)
         frontier = nxt
     return False
+

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import sympy
@@ -158,3 +159,27 @@ def _scaled(graph: Graph, v: int, hops: int = 4) -> bool:
             return False
         v = n.inputs[0]
     return False
+
+
+#: YNN's ``kMinElements``: a row reduction with fewer outputs stays in XLA's own code.
+YNN_MIN_ROWS = 4096
+
+
+@functools.cache  # a Piecewise takes sympy ~0.4 ms to build; a model asks for few distinct
+def _step(rows: sympy.Expr, below: int) -> sympy.Expr:
+    """``below`` where a reduction with ``rows`` outputs stays out of YNN, ``1 - below``
+    where YNN takes it."""
+    rows = sympy.sympify(rows)
+    if rows.is_number:
+        return sympy.Integer(below if rows < YNN_MIN_ROWS else 1 - below)
+    return sympy.Piecewise((below, sympy.Lt(rows, YNN_MIN_ROWS)), (1 - below, True))
+
+
+def below_rows(rows: sympy.Expr) -> sympy.Expr:
+    """1 where a reduction with ``rows`` outputs stays out of YNN, 0 where YNN takes it."""
+    return _step(rows, 1)
+
+
+def from_rows(rows: sympy.Expr) -> sympy.Expr:
+    """1 where YNN takes a reduction with ``rows`` outputs, 0 where it does not."""
+    return _step(rows, 0)

@@ -9,14 +9,20 @@ softmax with the dot that reads its probabilities. A train step keeps its activa
 for the backward pass, so its fusions stop at the first value read outside; fusions
 without a dot change nothing the elementwise rules do not already give.
 
+XLA starts a fusion at each dot too; one whose readers all end in a reduction's fusion
+merges into it (:func:`_merged_dot`: attention's score matmul into the row max's, the
+softmax gradient's ``dP`` into its row sum's). A reduction over unit axes only is a
+reshape to XLA and starts nothing.
+
 A fusion exists from :data:`LIBRARY_MIN_ELEMENTS` reduced elements on (measured, jax
 0.10.2: ``tanh(x @ w).sum()`` over 2048 elements is a dot fusion and a loop fusion,
 over 4096 one library fusion, whatever the axes), so the values it computes take a
 ``Piecewise`` size, full below the threshold and none from it on
 (:func:`reduction_sizes`): a symbolic trace and a concrete one get the same buffers.
-Such a fusion reads the scalar constants other ops share as full-size buffers
-(:func:`reduction_constants`). Row sums' fusions have rules of their own as well
-(:mod:`jaxmem.memory.ynn`).
+Going down from the reduction it grows through an elementwise op only from that many
+elements (:func:`fused_from`). Such a fusion reads the scalar constants other ops share
+as full-size buffers (:func:`reduction_constants`). Row sums' fusions have rules of
+their own as well (:mod:`jaxmem.memory.ynn`).
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -40,9 +46,9 @@ from typing import NamedTuple
 import sympy
 
 from jaxmem.graph import Graph, Node
+from jaxmem.memory.constants import ConstantUse, shared_constants
 from jaxmem.memory.fusion import Extra, copied_operands
-from jaxmem.memory.library import LIBRARY_ELEMENTWISE, element_count
-from jaxmem.memory.ynn import YNN_MIN_ROWS, ConstantUse, below_rows, shared_constants
+from jaxmem.memory.library import LIBRARY_ELEMENTWISE, YNN_MIN_ROWS, below_rows, element_count
 
 #: Reductions that start a library fusion (``IsReduceOpSupportedByYnn``: add, max, min).
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
@@ -61,30 +67,77 @@ _TYPICAL_DIM = 256
 
 class ReductionFusion(NamedTuple):
     """A reduction's library fusion: the elements it reduces, its nodes, the values it
-    computes for itself alone (``inner``) and those it writes for readers outside
-    (``roots``, the program's outputs among them)."""
+    computes for itself alone (``inner``), those it writes for readers outside
+    (``roots``, the program's outputs among them), and the ops it reaches only from a
+    number of elements on (``gates``, :func:`fused_from`)."""
 
     reduced: sympy.Expr
     nodes: frozenset[int]
     inner: frozenset[int]
     roots: frozenset[int]
+    gates: Mapping[int, sympy.Expr]
 
 
 def reduction_fusions(graph: Graph, used: Sequence[bool]) -> list[ReductionFusion]:
     """Each used float32 reduction's library fusion that holds a dot, the fusions found
-    from the program's end backwards, as XLA starts them."""
-    out: list[ReductionFusion] = []
-    taken: set[int] = set()
+    from the program's end backwards, as XLA starts them: at each reduction, and at each
+    dot, which merges into the fusion its results end in (:func:`_merged_dot`)."""
+    regions: list[tuple[Node, set[int]]] = []
+    owner: dict[int, int] = {}  # node -> index into regions
     consumers = _UsedReaders(graph, used)
     for node in reversed(graph.nodes):
-        if (node.primitive in _REDUCTIONS and used[node.index] and node.index not in taken
-                and node.inputs and graph.values[node.inputs[0]].dtype == "float32"
-                and not _small(element_count(graph, node.inputs[0]))):
-            region = _reduction_region(graph, node, consumers, taken)
-            taken |= region
-            if any(graph.nodes[n].primitive == "dot_general" for n in region):
-                out.append(_fusion(graph, node, frozenset(region), consumers))
-    return out
+        if not used[node.index] or node.index in owner:
+            continue
+        if (node.primitive in _REDUCTIONS and node.inputs
+                and graph.values[node.inputs[0]].dtype == "float32"
+                and not _small(element_count(graph, node.inputs[0]))
+                and not _unit_reduction(graph, node)):
+            region = _reduction_region(graph, node, consumers, set(owner))
+            owner.update(dict.fromkeys(region, len(regions)))
+            regions.append((node, region))
+        elif node.primitive == "dot_general" and _library_op(graph, node):
+            k, chain = _merged_dot(graph, node, consumers, owner)
+            if k is not None:
+                regions[k][1].update(chain)
+                owner.update(dict.fromkeys(chain, k))
+    return [_fusion(graph, seed, frozenset(region), consumers) for seed, region in regions
+            if any(graph.nodes[n].primitive == "dot_general" for n in region)]
+
+
+def _merged_dot(graph: Graph, dot: Node, consumers: _UsedReaders, owner: dict[int, int]
+                ) -> tuple[int | None, list[int]]:
+    """The fusion a dot's own library fusion merges into, and the ops it brings: XLA
+    starts a fusion at each dot too, grows it down its chain of single readers, and
+    merges it with the fusion it then reaches (attention's ``q @ k.T / sqrt(d)``, read
+    by the row max and ``scores - max`` of one fusion; the backward's ``dP``, read by
+    ``dP * P`` in the fusion and ``dP / sum``, whose only reader is in it too)."""
+    chain = [dot.index]
+    for _ in range(8):  # epilogues are short
+        outs = graph.nodes[chain[-1]].outputs
+        readers = consumers[outs[0]] if len(outs) == 1 else []
+        into = [_fusion_of(graph, c, consumers, owner) for c in readers]
+        if readers and None not in into and len({k for k, _ in into}) == 1:
+            return into[0][0], chain + [c for k, c in into if c is not None]
+        if (len(readers) != 1 or readers[0] in owner
+                or not _library_op(graph, graph.nodes[readers[0]])
+                or graph.nodes[readers[0]].primitive == "dot_general"):
+            break
+        chain.append(readers[0])
+    return None, chain
+
+
+def _fusion_of(graph: Graph, n: int, consumers: _UsedReaders, owner: dict[int, int]
+               ) -> tuple[int, int | None] | None:
+    """The fusion op ``n`` is in, or that its only reader is in (with ``n`` itself, which
+    that fusion then takes in); None for neither."""
+    if n in owner:
+        return owner[n], None
+    outs = graph.nodes[n].outputs
+    readers = consumers[outs[0]] if len(outs) == 1 else []
+    if (len(readers) == 1 and readers[0] in owner and _library_op(graph, graph.nodes[n])
+            and graph.nodes[n].primitive != "dot_general"):
+        return owner[readers[0]], n
+    return None
 
 
 def _fusion(graph: Graph, seed: Node, region: frozenset[int],
@@ -95,7 +148,42 @@ def _fusion(graph: Graph, seed: Node, region: frozenset[int],
     roots = frozenset(o for o in values
                       if o in outputs or any(c not in region for c in consumers[o]))
     return ReductionFusion(element_count(graph, seed.inputs[0]), region,
-                           frozenset(values) - roots, roots)
+                           frozenset(values) - roots, roots, fused_from(graph, seed, region))
+
+
+def _unit_reduction(graph: Graph, node: Node) -> bool:
+    """A reduction over axes of size 1 only: a reshape once XLA simplifies it (the
+    ``reduce_sum`` of a ``keepdims`` cotangent in softmax's backward pass)."""
+    shape, axes = graph.values[node.inputs[0]].shape, dict(node.params).get("axes")
+    return bool(axes) and all(shape[a] == 1 for a in axes)
+
+
+def fused_from(graph: Graph, seed: Node, region: frozenset[int]) -> dict[int, sympy.Expr]:
+    """Per op of the fusion ``region`` grown from reduction ``seed``, the elements from
+    which the fusion reaches it, where there is such a bound: XLA's library fusion grows
+    down through an elementwise op only from :data:`LIBRARY_MIN_ELEMENTS` of them
+    (softmax's backward at (2, 512): ``-sum`` over 1024 rows stops it, so ``/ sqrt(d)``
+    after it is a loop fusion's); an op before those (taken going up, or a merged dot's
+    chain) takes the smallest bound of its readers in the fusion, where all have one."""
+    down: dict[int, sympy.Expr | None] = {seed.index: None}  # None: no bound
+    for n in sorted(region):
+        node = graph.nodes[n]
+        parents = [down[graph.producers[v]] for v in node.inputs
+                   if graph.producers.get(v) in down]
+        if n == seed.index or not parents:
+            continue
+        gate = None if None in parents else sympy.Max(*parents)
+        if node.primitive in LIBRARY_ELEMENTWISE or node.primitive == "add_any":
+            count = element_count(graph, node.outputs[0])
+            gate = count if gate is None else sympy.Min(gate, count)
+        down[n] = gate
+    gates = {n: g for n, g in down.items() if g is not None}
+    for n in sorted(region - down.keys(), reverse=True):  # up from the reduction
+        readers = [gates.get(c) for o in graph.nodes[n].outputs
+                   for c in graph.consumers.get(o, ()) if c in region]
+        if readers and None not in readers:
+            gates[n] = sympy.Min(*readers)
+    return gates
 
 
 class _UsedReaders(dict[int, list[int]]):
@@ -127,8 +215,9 @@ def reduction_sizes(graph: Graph, fusions: Sequence[ReductionFusion],
     """Buffer bytes of the values :func:`reduction_fusions`' fusions compute for
     themselves: none from :data:`LIBRARY_MIN_ELEMENTS` reduced elements on.
     ``widened``: sizes other rules already changed."""
-    return {o: sympy.expand(widened.get(o, graph.values[o].nbytes) * below_rows(f.reduced))
-            for f in fusions for o in f.inner}
+    return {o: sympy.expand(widened.get(o, graph.values[o].nbytes) * below_rows(
+        sympy.Min(f.reduced, f.gates[graph.producers[o]]) if graph.producers[o] in f.gates
+        else f.reduced)) for f in fusions for o in f.inner}
 
 
 def reduction_roots(fusions: Sequence[ReductionFusion]) -> frozenset[int]:
@@ -196,7 +285,8 @@ def _library_op(graph: Graph, node: Node) -> bool:
     elementwise ops, views, reductions and dots."""
     if len(node.outputs) != 1 or graph.values[node.outputs[0]].dtype != "float32":
         return False
-    if node.primitive in LIBRARY_ELEMENTWISE or node.primitive in _FUSED_VIEWS:
+    if (node.primitive in LIBRARY_ELEMENTWISE or node.primitive in _FUSED_VIEWS
+            or node.primitive == "add_any"):  # an add in HLO
         return True
     if node.primitive in _REDUCTIONS:
         return bool(node.inputs) and graph.values[node.inputs[0]].dtype == "float32"
@@ -235,28 +325,21 @@ def _read_in_place(graph: Graph, dot: Node, v: int, copied: frozenset[int]) -> b
 def reduction_constants(graph: Graph, order: Sequence[int], used: Sequence[bool],
                         fusions: Sequence[ReductionFusion],
                         taken: frozenset[tuple] = frozenset()) -> list[Extra]:
-    """Full-size broadcasts of the scalar constants the ops before a dot in
-    :func:`reduction_fusions`' fusions read, where other ops read them too (gelu's four,
-    shared by every layer's MLP through XLA's CSE: the fusion takes the shared broadcast
-    as an operand, a buffer from the program's start to the fusion; measured, a 2-layer
-    GPT eval step at (8, 256): four ``f32[8, 256, 512]``). A constant after the fusion's
-    last dot (a loss's, at the logits' shape) is not one (the GPT train step's level 1 at
-    (8, 512): +9.7 % with it -> +10.5 %). ``taken``: constant keys another rule counts."""
+    """Full-size broadcasts of the scalar constants :func:`reduction_fusions`' fusions
+    read, where other ops read them too (:func:`~jaxmem.memory.constants.shared_constants`;
+    gelu's four, shared by every layer's MLP through XLA's CSE, measured on a 2-layer GPT
+    eval step at (8, 256): four ``f32[8, 256, 512]``; attention's ``1 / sqrt(d)``, read by
+    the score fusions and the softmax gradient's). An op down from the reduction counts
+    only where the fusion reaches it (:func:`fused_from`): a loss's constant at the logits'
+    shape, past a row sum under the threshold, is a loop fusion's. ``taken``: constant
+    keys another rule counts."""
     pos = {n: p for p, n in enumerate(order)}
-    return shared_constants(graph, used, [ConstantUse(
-        frozenset(_before_dots(graph, f.nodes)), f.nodes, max(pos[n] for n in f.nodes),
-        f.reduced, graph.nodes[min(f.nodes)].outputs[0]) for f in fusions],
-        "library fusion constant operand", taken)
-
-
-def _before_dots(graph: Graph, region: frozenset[int]) -> set[int]:
-    """The nodes of ``region`` a dot in it reads from, directly or through others."""
-    nodes, producers = graph.nodes, graph.producers
-    frontier = [v for n in region if nodes[n].primitive == "dot_general" for v in nodes[n].inputs]
-    seen: set[int] = set()
-    while frontier:
-        p = producers.get(frontier.pop())
-        if p is not None and p in region and p not in seen:
-            seen.add(p)
-            frontier.extend(nodes[p].inputs)
-    return seen
+    uses = []
+    for f in fusions:
+        groups: dict[sympy.Expr, set[int]] = {}
+        for n in f.nodes:
+            groups.setdefault(f.gates.get(n, f.reduced), set()).add(n)
+        uses += [ConstantUse(frozenset(chain), f.nodes, max(pos[n] for n in chain), rows,
+                             graph.nodes[min(f.nodes)].outputs[0])
+                 for rows, chain in groups.items()]
+    return shared_constants(graph, used, uses, "library fusion constant operand", taken)

@@ -34,42 +34,23 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
 
 import sympy
 
 from jaxmem.graph import Graph, Node
+from jaxmem.memory.constants import ConstantUse, shared_constants
 from jaxmem.memory.fusion import Extra, used_nodes
-from jaxmem.memory.library import LIBRARY_ELEMENTWISE, constant_operands, constant_readers
+from jaxmem.memory.library import (  # noqa: F401 (YNN_MIN_ROWS: re-exported)
+    LIBRARY_ELEMENTWISE,
+    YNN_MIN_ROWS,
+    below_rows,
+    constant_operands,
+    from_rows,
+)
 
 #: A row sum's fusion: (reduction node, fused nodes, dot results, prologue nodes).
 RowFusion = tuple[int, set[int], list[int], set[int]]
-
-#: YNN's ``kMinElements``: a row reduction with fewer outputs stays in XLA's own code.
-YNN_MIN_ROWS = 4096
-
-
-@functools.cache  # a Piecewise takes sympy ~0.4 ms to build; a model asks for few distinct
-def _step(rows: sympy.Expr, below: int) -> sympy.Expr:
-    """``below`` where a reduction with ``rows`` outputs stays out of YNN, ``1 - below``
-    where YNN takes it."""
-    rows = sympy.sympify(rows)
-    if rows.is_number:
-        return sympy.Integer(below if rows < YNN_MIN_ROWS else 1 - below)
-    return sympy.Piecewise((below, sympy.Lt(rows, YNN_MIN_ROWS)), (1 - below, True))
-
-
-def below_rows(rows: sympy.Expr) -> sympy.Expr:
-    """1 where a reduction with ``rows`` outputs stays out of YNN, 0 where YNN takes it."""
-    return _step(rows, 1)
-
-
-def from_rows(rows: sympy.Expr) -> sympy.Expr:
-    """1 where YNN takes a reduction with ``rows`` outputs, 0 where it does not."""
-    return _step(rows, 0)
-
 
 def _summed_axes(graph: Graph, node_index: int) -> tuple[int, ...] | None:
     node = graph.nodes[node_index]
@@ -287,38 +268,6 @@ def prologue_constants(graph: Graph, order: Sequence[int], used: Sequence[bool],
         sympy.Mul(*graph.values[graph.nodes[reduction].outputs[0]].shape),
         graph.nodes[reduction].inputs[0]) for reduction, fused, _, chain in fusions],
         "YNN fusion constant operand")
-
-
-class ConstantUse(NamedTuple):
-    """Where a library fusion takes shared scalar constants in as buffers."""
-
-    chain: frozenset[int]  # the ops whose constant operands it reads as buffers
-    inside: frozenset[int]  # the readers it holds itself
-    end: int  # its last op's position
-    rows: sympy.Expr  # its rows (or reduced elements): no buffer below the threshold
-    value: int  # the value the buffers are noted against
-
-
-def shared_constants(graph: Graph, used: Sequence[bool], uses: Sequence[ConstantUse],
-                     note: str, taken: frozenset[tuple] = frozenset()) -> list[Extra]:
-    """One full-size broadcast per scalar constant and shape (XLA's CSE) that a fusion in
-    ``uses`` reads and an op outside it reads too, from the program's start to the last
-    such fusion; a bfloat16 constant counts as float32 (XLA CPU computes a bf16 chain
-    in float32). ``taken``: constant keys another rule counts."""
-    if not uses:
-        return []
-    readers = constant_readers(graph, used)
-    shared: dict[tuple, Extra] = {}
-    for use in uses:
-        keys = {k for n in use.chain for k in constant_operands(graph, graph.nodes[n])}
-        for key in sorted(keys - taken, key=repr):
-            if key in shared:
-                shared[key] = shared[key]._replace(end=max(shared[key].end, use.end))
-            elif any(u not in use.inside for u in readers[key]):
-                _, shape, itemsize = key
-                nbytes = sympy.expand(max(itemsize, 4) * sympy.Mul(*shape) * from_rows(use.rows))
-                shared[key] = Extra(use.value, nbytes, 0, use.end, note)
-    return list(shared.values())
 
 
 def shared_row_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[bool],
