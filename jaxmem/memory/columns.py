@@ -41,7 +41,7 @@ import sympy
 
 from jaxmem.graph import Graph
 from jaxmem.memory.fusion import Extra, materialised
-from jaxmem.memory.library import constant_operands
+from jaxmem.memory.library import constant_operands, constant_readers
 from jaxmem.memory.reductions import (
     ReductionFusion,
     reduction_constants,
@@ -197,6 +197,9 @@ def library_extras(graph: Graph, order: Sequence[int], used: Sequence[bool], bac
     (:func:`~jaxmem.memory.ynn.row_fusion_extras`) and :func:`column_broadcasts`."""
     prologues = frozenset(k for f in library.rows for n in f[3]
                           for k in constant_operands(graph, graph.nodes[n]))
-    return [*row_fusion_extras(graph, order, used, backend, library.rows),
+    # Both rules read the constants' readers: found once (a pass over every op).
+    readers = constant_readers(graph, used) if library.reductions or (
+        backend == "cpu" and any(f[3] for f in library.rows)) else None
+    return [*row_fusion_extras(graph, order, used, backend, library.rows, readers),
             *column_broadcasts(graph, order, library.columns),
-            *reduction_constants(graph, order, used, library.reductions, prologues)]
+            *reduction_constants(graph, order, used, library.reductions, prologues, readers)]

@@ -22,7 +22,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import sympy
@@ -42,17 +43,24 @@ class ConstantUse(NamedTuple):
     value: int  # the value the buffers are noted against
 
 
+@functools.cache  # few distinct row counts; sympy's Max compares its arguments pairwise
+def _largest(rows: frozenset[sympy.Expr]) -> sympy.Expr:
+    return sympy.Max(*rows)
+
+
 def shared_constants(graph: Graph, used: Sequence[bool], uses: Sequence[ConstantUse],
-                     note: str, taken: frozenset[tuple] = frozenset()) -> list[Extra]:
+                     note: str, taken: frozenset[tuple] = frozenset(),
+                     readers: Mapping[tuple, list[int]] | None = None) -> list[Extra]:
     """One full-size broadcast per scalar constant and shape (XLA's CSE) that a fusion in
     ``uses`` reads and an op outside it reads too, from the program's start to the last
     such fusion that exists at the shape (a fusion under its threshold reads no buffer):
     one buffer per stretch between fusions, there where a fusion after it exists. A
     bfloat16 constant counts as float32 (XLA CPU computes a bf16 chain in float32).
-    ``taken``: constant keys another rule counts."""
+    ``taken``: constant keys another rule counts; ``readers``: ``constant_readers``, where
+    the caller has it."""
     if not uses:
         return []
-    readers = constant_readers(graph, used)
+    readers = constant_readers(graph, used) if readers is None else readers
     by_key: dict[tuple, list[ConstantUse]] = {}
     shared: set[tuple] = set()
     for use in uses:
@@ -68,7 +76,7 @@ def shared_constants(graph: Graph, used: Sequence[bool], uses: Sequence[Constant
         later = sorted(by_key[key], key=lambda u: u.end)
         segments: list[Extra] = []
         for k, use in enumerate(later):
-            rows = sympy.Max(*dict.fromkeys(u.rows for u in later[k:]))
+            rows = _largest(frozenset(u.rows for u in later[k:]))
             nbytes = sympy.expand(full * from_rows(rows))
             if segments and segments[-1].nbytes == nbytes:  # the same buffer goes on
                 x = segments[-1]

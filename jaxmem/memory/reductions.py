@@ -172,18 +172,28 @@ def fused_from(graph: Graph, seed: Node, region: frozenset[int]) -> dict[int, sy
                    if graph.producers.get(v) in down]
         if n == seed.index or not parents:
             continue
-        gate = None if None in parents else sympy.Max(*parents)
+        gate = None if None in parents else _most(frozenset(parents))
         if node.primitive in LIBRARY_ELEMENTWISE or node.primitive == "add_any":
             count = element_count(graph, node.outputs[0])
-            gate = count if gate is None else sympy.Min(gate, count)
+            gate = count if gate is None else _least(frozenset({gate, count}))
         down[n] = gate
     gates = {n: g for n, g in down.items() if g is not None}
     for n in sorted(region - down.keys(), reverse=True):  # up from the reduction
         readers = [gates.get(c) for o in graph.nodes[n].outputs
                    for c in graph.consumers.get(o, ()) if c in region]
         if readers and None not in readers:
-            gates[n] = sympy.Min(*readers)
+            gates[n] = _least(frozenset(readers))
     return gates
+
+
+@functools.cache  # a step has few distinct element counts; sympy's Min and Max are slow
+def _least(counts: frozenset[sympy.Expr]) -> sympy.Expr:
+    return sympy.Min(*counts)
+
+
+@functools.cache
+def _most(counts: frozenset[sympy.Expr]) -> sympy.Expr:
+    return sympy.Max(*counts)
 
 
 class _UsedReaders(dict[int, list[int]]):
@@ -216,7 +226,8 @@ def reduction_sizes(graph: Graph, fusions: Sequence[ReductionFusion],
     themselves: none from :data:`LIBRARY_MIN_ELEMENTS` reduced elements on.
     ``widened``: sizes other rules already changed."""
     return {o: sympy.expand(widened.get(o, graph.values[o].nbytes) * below_rows(
-        sympy.Min(f.reduced, f.gates[graph.producers[o]]) if graph.producers[o] in f.gates
+        _least(frozenset({f.reduced, f.gates[graph.producers[o]]}))
+        if graph.producers[o] in f.gates
         else f.reduced)) for f in fusions for o in f.inner}
 
 
@@ -324,7 +335,8 @@ def _read_in_place(graph: Graph, dot: Node, v: int, copied: frozenset[int]) -> b
 
 def reduction_constants(graph: Graph, order: Sequence[int], used: Sequence[bool],
                         fusions: Sequence[ReductionFusion],
-                        taken: frozenset[tuple] = frozenset()) -> list[Extra]:
+                        taken: frozenset[tuple] = frozenset(),
+                        readers: Mapping[tuple, list[int]] | None = None) -> list[Extra]:
     """Full-size broadcasts of the scalar constants :func:`reduction_fusions`' fusions
     read, where other ops read them too (:func:`~jaxmem.memory.constants.shared_constants`;
     gelu's four, shared by every layer's MLP through XLA's CSE, measured on a 2-layer GPT
@@ -342,4 +354,5 @@ def reduction_constants(graph: Graph, order: Sequence[int], used: Sequence[bool]
         uses += [ConstantUse(frozenset(chain), f.nodes, max(pos[n] for n in chain), rows,
                              graph.nodes[min(f.nodes)].outputs[0])
                  for rows, chain in groups.items()]
-    return shared_constants(graph, used, uses, "library fusion constant operand", taken)
+    return shared_constants(graph, used, uses, "library fusion constant operand", taken,
+                            readers)

@@ -248,7 +248,8 @@ def row_fusions(graph: Graph, used: Sequence[bool] | None, backend: str = "cpu",
 
 
 def prologue_constants(graph: Graph, order: Sequence[int], used: Sequence[bool],
-                       backend: str, fusions: list[RowFusion] | None = None) -> list[Extra]:
+                       backend: str, fusions: list[RowFusion] | None = None,
+                       readers: Mapping[tuple, list[int]] | None = None) -> list[Extra]:
     """Full-size broadcasts of the scalar constants a row fusion's prologue reads.
 
     gelu's constants (0.5, 1, 0.044715, sqrt(2/pi)) are broadcast to the hidden size;
@@ -267,7 +268,7 @@ def prologue_constants(graph: Graph, order: Sequence[int], used: Sequence[bool],
         frozenset(chain), frozenset(chain), max(pos[n] for n in fused),
         sympy.Mul(*graph.values[graph.nodes[reduction].outputs[0]].shape),
         graph.nodes[reduction].inputs[0]) for reduction, fused, _, chain in fusions],
-        "YNN fusion constant operand")
+        "YNN fusion constant operand", readers=readers)
 
 
 def shared_row_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[bool],
@@ -350,8 +351,9 @@ def _vector_source(graph: Graph, v: int, width: sympy.Expr, hops: int = 3) -> in
 
 
 def row_fusion_extras(graph: Graph, order: Sequence[int], used: Sequence[bool],
-                      backend: str, fusions: list[RowFusion]) -> list[Extra]:
+                      backend: str, fusions: list[RowFusion],
+                      readers: Mapping[tuple, list[int]] | None = None) -> list[Extra]:
     """The buffers the row fusions' operands add: :func:`shared_row_broadcasts` and
-    :func:`prologue_constants`."""
+    :func:`prologue_constants` (``readers``: ``constant_readers``, where known)."""
     return [*shared_row_broadcasts(graph, order, used, backend),
-            *prologue_constants(graph, order, used, backend, fusions)]
+            *prologue_constants(graph, order, used, backend, fusions, readers)]
