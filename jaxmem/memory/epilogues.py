@@ -155,4 +155,3 @@ def _depends_on(graph: Graph, pos: dict[int, int], v: int, node: int, hops: int 
                     nxt.append(i)
         frontier = nxt
     return False
-

@@ -41,6 +41,7 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
 import sympy
@@ -92,7 +93,7 @@ def reduction_fusions(graph: Graph, used: Sequence[bool]) -> list[ReductionFusio
                 and graph.values[node.inputs[0]].dtype == "float32"
                 and not _small(element_count(graph, node.inputs[0]))
                 and not _unit_reduction(graph, node)):
-            region = _reduction_region(graph, node, consumers, set(owner))
+            region = _reduction_region(graph, node, consumers, owner.keys())
             owner.update(dict.fromkeys(region, len(regions)))
             regions.append((node, region))
         elif node.primitive == "dot_general" and _library_op(graph, node):
@@ -240,7 +241,7 @@ def reduction_roots(fusions: Sequence[ReductionFusion]) -> frozenset[int]:
 
 
 def _reduction_region(graph: Graph, seed: Node, consumers: _UsedReaders,
-                      taken: set[int]) -> set[int]:
+                      taken: AbstractSet[int]) -> set[int]:
     """The reduction and the ops its library fusion takes in, breadth first as XLA's
     ``FuseNeighbors`` grows it: from an op taken going up (and the reduction), each
     operand whose readers the fusion then all holds; from an op taken going down (and the
@@ -278,7 +279,7 @@ def _reduction_region(graph: Graph, seed: Node, consumers: _UsedReaders,
 
 
 def _held_dots(graph: Graph, region: set[int], consumers: _UsedReaders,
-               taken: set[int]) -> list[int]:
+               taken: AbstractSet[int]) -> list[int]:
     """Dots outside ``region`` whose result only ``region`` reads (the logits' dot, read
     by a log-softmax's row max and by ``logits - max``)."""
     out = []
