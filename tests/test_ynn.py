@@ -23,10 +23,8 @@ from bench.programs import gpt_program
 from hlo_passes.timeline import buffer_timeline
 from jaxmem.graph import build_graph
 from jaxmem.memory.fusion import materialised, used_nodes
+from jaxmem.memory.library import YNN_MIN_ROWS, below_rows, from_rows
 from jaxmem.memory.ynn import (
-    YNN_MIN_ROWS,
-    below_rows,
-    from_rows,
     prologue_constants,
     row_fused_dots,
     shared_row_broadcasts,

@@ -56,6 +56,8 @@ _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 #: Reduced elements from which a reduction is a library fusion (the same 4096 as YNN's
 #: row threshold, whose step function serves both).
 LIBRARY_MIN_ELEMENTS = YNN_MIN_ROWS
+#: Elementwise ops a reduction's library fusion takes in (``add_any`` is an add in HLO).
+_ELEMENTWISE = LIBRARY_ELEMENTWISE | {"add_any"}
 #: Views a reduction's library fusion grows through (bitcasts and broadcasts in HLO;
 #: ``stop_gradient`` is the identity).
 _FUSED_VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "stop_gradient",
@@ -174,7 +176,7 @@ def fused_from(graph: Graph, seed: Node, region: frozenset[int]) -> dict[int, sy
         if n == seed.index or not parents:
             continue
         gate = None if None in parents else _most(frozenset(parents))
-        if node.primitive in LIBRARY_ELEMENTWISE or node.primitive == "add_any":
+        if node.primitive in _ELEMENTWISE:
             count = element_count(graph, node.outputs[0])
             gate = count if gate is None else _least(frozenset({gate, count}))
         down[n] = gate
@@ -227,9 +229,9 @@ def reduction_sizes(graph: Graph, fusions: Sequence[ReductionFusion],
     themselves: none from :data:`LIBRARY_MIN_ELEMENTS` reduced elements on.
     ``widened``: sizes other rules already changed."""
     return {o: sympy.expand(widened.get(o, graph.values[o].nbytes) * below_rows(
-        _least(frozenset({f.reduced, f.gates[graph.producers[o]]}))
-        if graph.producers[o] in f.gates
-        else f.reduced)) for f in fusions for o in f.inner}
+        _least(frozenset({f.reduced, gate}))
+        if (gate := f.gates.get(graph.producers[o])) is not None else f.reduced))
+        for f in fusions for o in f.inner}
 
 
 def reduction_roots(fusions: Sequence[ReductionFusion]) -> frozenset[int]:
@@ -297,8 +299,7 @@ def _library_op(graph: Graph, node: Node) -> bool:
     elementwise ops, views, reductions and dots."""
     if len(node.outputs) != 1 or graph.values[node.outputs[0]].dtype != "float32":
         return False
-    if (node.primitive in LIBRARY_ELEMENTWISE or node.primitive in _FUSED_VIEWS
-            or node.primitive == "add_any"):  # an add in HLO
+    if node.primitive in _ELEMENTWISE or node.primitive in _FUSED_VIEWS:
         return True
     if node.primitive in _REDUCTIONS:
         return bool(node.inputs) and graph.values[node.inputs[0]].dtype == "float32"

@@ -41,13 +41,7 @@ import sympy
 from jaxmem.graph import Graph, Node
 from jaxmem.memory.constants import ConstantUse, shared_constants
 from jaxmem.memory.fusion import Extra, used_nodes
-from jaxmem.memory.library import (  # noqa: F401 (YNN_MIN_ROWS: re-exported)
-    LIBRARY_ELEMENTWISE,
-    YNN_MIN_ROWS,
-    below_rows,
-    constant_operands,
-    from_rows,
-)
+from jaxmem.memory.library import LIBRARY_ELEMENTWISE, below_rows, from_rows
 
 #: A row sum's fusion: (reduction node, fused nodes, dot results, prologue nodes).
 RowFusion = tuple[int, set[int], list[int], set[int]]
