@@ -109,6 +109,37 @@ def test_xla_over_the_prediction_moves_the_search_up():
     assert "XLA measured it over the budget" in s.why
 
 
+def test_after_a_miss_levels_predicted_to_fit_are_compiled_before_those_predicted_over():
+    calls, compile = scripted([520, 540, 560, 420])
+    s = select_level(FakePlans(tuple(map(FakeLevel, [480, 560, 590, 400]))), {}, 500, compile)
+    assert s.level == 3 and calls == [(0, 1), (3, 1)]  # 1 and 2 are predicted over 500
+
+
+def test_the_slack_xla_showed_makes_a_level_predicted_a_little_over_likely():
+    # 0 and 4 miss; 1 (within reach) is over-predicted by 7 %, so 3 (530, 6 % over)
+    # is likelier than 2 (620) and is compiled next.
+    calls, compile = scripted([510, 560, 600, 495, 505])
+    s = select_level(FakePlans(tuple(map(FakeLevel, [480, 600, 620, 530, 450]))), {}, 500,
+                     compile)
+    assert s.level == 3 and calls == [(0, 1), (4, 1), (1, 1), (3, 1)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(300, 700), min_size=2, max_size=8), st.data())
+def test_under_predictions_compile_every_level_predicted_to_fit_before_any_other(predicted,
+                                                                                 data):
+    """Where XLA never comes in under a prediction there is no slack: once a level was
+    compiled, a level predicted over the budget is compiled only after every level
+    predicted to fit."""
+    real = [p + data.draw(st.integers(0, 200)) for p in predicted]
+    budget = 500
+    calls, compile = scripted(real)
+    select_level(FakePlans(tuple(map(FakeLevel, predicted))), {}, budget, compile)
+    over = [i for i, (k, _) in enumerate(calls) if predicted[k] > budget]
+    if over and over[0] > 0:
+        assert all((k, 1) in calls[:over[0]] for k, p in enumerate(predicted) if p <= budget)
+
+
 def test_hopeless_levels_are_not_compiled_once_one_was():
     calls, compile = scripted([900, 900])
     s = select_level(FakePlans((FakeLevel(400), FakeLevel(int(500 * HOPELESS_FACTOR) + 1))),
