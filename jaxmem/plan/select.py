@@ -15,8 +15,7 @@ compiled. If nothing fits, the levels predicted within that factor of the smalle
 XLA peak are compiled too, so that the error names the truly smallest plan, and the
 scheduler's ``microbatches`` hook may split that plan's batch. Without ``compile``
 the choice follows the predictions alone (``PlanSet.describe``). Every step is
-recorded, so the "why"
-of a plan is written here, by the code that decided.
+recorded, so the "why" of a plan is written here, by the code that decided.
 
 Example:
     >>> import jax, jax.numpy as jnp, jaxmem
