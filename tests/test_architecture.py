@@ -21,7 +21,7 @@ PACKAGES = ("jaxmem", "hlo_passes", "models", "train", "bench")
 STAGES: tuple[tuple[str, ...], ...] = (
     ("jaxmem.errors", "jaxmem.units", "jaxmem.dims", "jaxmem.fastexpr", "jaxmem.exprjson",
      "jaxmem.regions", "jaxmem.grad", "jaxmem.perf"),
-    ("jaxmem.trace",),
+    ("jaxmem.trace", "jaxmem.unroll"),
     ("jaxmem.graph",),
     ("jaxmem.symbolic",),
     ("jaxmem.memory", "jaxmem.analyze"),
