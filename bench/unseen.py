@@ -13,7 +13,9 @@ written one way the planner has not been tuned on:
   ``jax.checkpoint(policy=dots_with_no_batch_dims_saveable)``;
 * ``vmap``: a per-sequence loss under ``jax.vmap``, its targets sliced off the logits
   (``x[0, :-1]``: a gather with a symbolic length, a slice and a squeeze with a
-  concrete one, so the two traces' forward cuts differ).
+  concrete one, so the two traces' forward cuts differ);
+* ``scan-unroll``: stacked layer params run by ``lax.scan(..., unroll=2)`` (one layer
+  more than the others, so that the loop runs two trips of two layers).
 
 and the programs of :mod:`bench.unseen_programs`, which are no such decoder:
 ``accum`` (gradient accumulation under ``lax.scan``), ``cnn`` (a linen convnet),
@@ -144,10 +146,17 @@ def _vmap_loss(p: dict[str, Any], tokens: jax.Array, key: jax.Array) -> jax.Arra
     return jax.vmap(one)(tokens).mean()
 
 
+def _scan_unroll_loss(p: dict[str, Any], tokens: jax.Array, key: jax.Array) -> jax.Array:
+    x, _ = jax.lax.scan(lambda x, lp: (_block(x, lp, None), None), p["emb"][tokens],
+                        p["layers"], unroll=2)
+    return _next_token_loss(x, p, tokens)
+
+
 #: name -> (loss(params, tokens, key), layer params stacked)
 PROGRAMS: dict[str, tuple[Callable[..., jax.Array], bool]] = {
     "dropout": (_dropout_loss, False), "fori": (_fori_loss, True), "cond": (_cond_loss, False),
-    "user-remat": (_user_remat_loss, False), "vmap": (_vmap_loss, False)}
+    "user-remat": (_user_remat_loss, False), "vmap": (_vmap_loss, False),
+    "scan-unroll": (_scan_unroll_loss, True)}
 
 
 def train_step(name: str, layers: int) -> tuple[Callable[..., Any], Any]:
@@ -175,7 +184,7 @@ def train_step(name: str, layers: int) -> tuple[Callable[..., Any], Any]:
 def decoder_case(name: str, quick: bool) -> Case:
     """One of the four decoders as a :class:`~bench.unseen_programs.Case`."""
     layers, (b, s) = (1, (2, 16)) if quick else (3, (8, 64))
-    step, state = train_step(name, layers)
+    step, state = train_step(name, layers + (name == "scan-unroll"))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (b, s)), jnp.int32)
     shortest = ("s >= 2",) if name == "vmap" else ()  # x[0, :-1] must not be empty
     return Case(step, state, (tokens, jax.random.key(1)), (None, "b, s", None),
