@@ -1,4 +1,10 @@
-"""A loop's constant filler: broadcasts of a constant scalar XLA runs inside the loop.
+"""A loop's state and constant filler: which buffers XLA runs a loop in, and broadcasts of a
+constant scalar XLA runs inside the loop.
+
+:func:`carried` pairs each initial value of a loop's state with its final value (one
+buffer where the initial value dies at the loop), :func:`feeds_loop` tells a loop's
+operand, :func:`stacked_outputs` lists the stacked outputs allocated at the start, and
+:func:`added_updates` the zeroed slice updates a loop body's gradient adds in place.
 
 A causal mask's filler (``jnp.where(mask, s, -1e9)``'s broadcast, and the zeros of its
 transpose) is loop-invariant, so JAX's partial evaluation hoists it out of the scan
@@ -18,6 +24,8 @@ Example:
 """
 
 from __future__ import annotations
+
+from collections.abc import Container
 
 from jaxmem.graph import Graph, Node, scan_counts
 
@@ -65,11 +73,79 @@ def stacked_outputs(graph: Graph, used: list[bool]) -> list[int]:
     return ys
 
 
+def added_updates(graph: Graph) -> frozenset[int]:
+    """Values XLA folds into an add: a ``dynamic_update_slice`` into a broadcast zero that
+    only an add reads, and that zero.
+
+    XLA rewrites ``A + DUS(0, U, i)`` to ``DUS(A, A[i] + U, i)``, in place in ``A``: the
+    transpose of a scan body's ``params[i]`` accumulates its gradient so, one slice a
+    step, where the model had a zeroed copy of all the layers' params in every step
+    (+28 % on a six-layer loop at 8 rows).
+    """
+    out: set[int] = set()
+    for n in graph.nodes:
+        if n.primitive != "dynamic_update_slice" or not n.inputs or len(n.outputs) != 1:
+            continue
+        base, (o,) = n.inputs[0], n.outputs
+        zero = graph.producers.get(base)
+        readers = graph.consumers.get(o, ())
+        if (zero is not None and _zero_fill(graph.nodes[zero])
+                and graph.consumers.get(base) == (n.index,) and len(readers) == 1
+                and graph.nodes[readers[0]].primitive in ("add", "add_any")):
+            out.update((o, base))
+    return frozenset(out)
+
+
+def _zero_fill(node: Node) -> bool:
+    """Whether ``node`` broadcasts a literal zero."""
+    if node.primitive != "broadcast_in_dim" or node.eqn is None or not node.eqn.invars:
+        return False
+    val = getattr(node.eqn.invars[0], "val", None)
+    return val is not None and getattr(val, "shape", ()) == () and val == 0
+
+
+def feeds_loop(graph: Graph, v: int) -> bool:
+    """Whether a loop reads ``v``: XLA colocates a loop's operands with its state, in an
+    allocation of their own, so ``v`` cannot be written into a dying operand's buffer
+    (an RNN's input projection ``x @ w + b``, scanned over: both live; -41 -> 0 %)."""
+    return any(graph.nodes[c].primitive in _LOOPS
+               for c in graph.consumers.get(v, ()))
+
+
 def _only_read_by_loops(graph: Graph, v: int) -> bool:
     """Whether loops read ``v``, none of them as its initial state."""
     loops = [graph.nodes[c] for c in graph.consumers.get(v, ())
              if graph.nodes[c].primitive in _LOOPS]
     return bool(loops) and all(v not in _loop_state(loop) for loop in loops)
+
+
+def carried(graph: Graph, loop: Node, read: Container[int]) -> tuple[tuple[int, int], ...]:
+    """``(initial value, final value)`` of each element of a loop's state that XLA keeps in
+    one buffer.
+
+    XLA runs the loop in the initial values' buffers; where nothing reads an initial
+    value after the loop, its final value is that same buffer (a backward scan's
+    zeroed gradient accumulator becomes the gradient, and the optimizer's update then
+    its output: a scan indexing its layers' params by a carried counter was +19 % at
+    (8, 16) with two buffers). Measured apart: a zero-filled state whose final value
+    nothing reads (in ``read``) keeps a buffer of its own beside the loop's. Not a
+    loop: no pairs.
+    """
+    params = loop.eqn.params if loop.eqn is not None else {}
+    if loop.primitive == "scan" and params:
+        consts, carry = scan_counts(params)
+        inits = loop.operands[consts:consts + carry]
+    elif loop.primitive == "while" and "body_nconsts" in params:
+        inits = loop.operands[params["cond_nconsts"] + params["body_nconsts"]:]
+    else:
+        return ()
+    return tuple((i, o) for i, o in zip(inits, loop.outputs[:len(inits)], strict=True)
+                 if i is not None and (o in read or not _zero_filled(graph, i)))
+
+
+def _zero_filled(graph: Graph, v: int) -> bool:
+    producer = graph.producers.get(v)
+    return producer is not None and _zero_fill(graph.nodes[producer])
 
 
 def _loop_state(loop: Node) -> frozenset[int]:

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import sympy
 
 from jaxmem.graph import EXPENSIVE, Graph, Node
-from jaxmem.memory.fillers import sunk_broadcasts
+from jaxmem.memory.fillers import added_updates, sunk_broadcasts
 from jaxmem.memory.library import element_count, pooling_fusions
 from jaxmem.memory.readers import erfc_shared_exps, low_precision_arithmetic
 
@@ -45,18 +45,19 @@ class Extra(NamedTuple):
 def materialised(graph: Graph) -> dict[int, int]:
     """Maps each value to the value whose buffer holds it; fused values map to -1.
 
-    Follows XLA's fusion pass: an elementwise result is recomputed inside every
-    consumer that can fuse it (elementwise ops and reductions) and takes no
-    buffer, unless it is an output, feeds an op that needs its operands in
-    memory (dots, gathers, control flow, ...), or is read by more than one
-    consumer and is expensive to recompute (``EXPENSIVE``) or one of its readers
-    is a reduction. A pad only windows read is folded into them (a view).
+    Follows XLA's fusion pass: an elementwise result is recomputed inside every consumer
+    that can fuse it (elementwise ops and reductions) and takes no buffer, unless it is
+    an output, feeds an op that needs its operands in memory (dots, gathers, control
+    flow, ...), or is read by more than one consumer and is expensive to recompute
+    (``EXPENSIVE``) or one of its readers is a reduction. Folded in: a pad into the
+    windows reading it (a view), a zeroed slice update into the add reading it
+    (:func:`added_updates`), exps into readers the jaxpr does not show (``merged``).
     """
     consumers, nodes, outputs = graph.consumers, graph.nodes, set(graph.outputs)
     owner: dict[int, int] = {v: v for v in graph.inputs}
     sunk, folded = sunk_broadcasts(graph), _folded_pads(graph)
     pooled, pool_operands = pooling_fusions(graph)
-    merged = erfc_shared_exps(graph)  # exps with a reader the jaxpr does not show
+    merged, added = erfc_shared_exps(graph), added_updates(graph)
 
     def real_consumer_kinds(v: int) -> list[str]:
         kinds = []
@@ -78,11 +79,12 @@ def materialised(graph: Graph) -> dict[int, int]:
                     owner[o] = o
             continue
         for o in n.outputs:
+            if o in added or (o in pooled and n.kind == "elementwise"
+                              and o not in outputs and o not in pool_operands):
+                owner[o] = -1  # (pooled: computed inside a CPU library pooling fusion)
+                continue
             if n.kind != "elementwise" or o in outputs or o in pool_operands:
                 owner[o] = o  # (a CPU library pooling fusion reads its operands from memory)
-                continue
-            if o in pooled:  # computed inside such a fusion
-                owner[o] = -1
                 continue
             if n.primitive == "transpose" and _only_dots(graph, o):
                 owner[o] = -1  # folded into the dots' dimension numbers (TransposeFolding)
@@ -92,10 +94,8 @@ def materialised(graph: Graph) -> dict[int, int]:
             if o in sunk and all(k in ("elementwise", "reduce", "control") for k in kinds):
                 owner[o] = -1
                 continue
-            # A reduction reads its operand from memory once XLA's CPU backend hands it
-            # to its reduction library: a value it shares with other consumers is
-            # materialised, not recomputed in each (measured: LayerNorm's ``x - mean``,
-            # and the float32 convert of a bfloat16 input, get their own buffers).
+            # XLA CPU's reduction library reads its operand from memory: a value shared
+            # with other readers is materialised (LayerNorm's ``x - mean``, a bf16 convert).
             duplicable = len(kinds) <= 1 or (n.primitive not in EXPENSIVE
                                              and "reduce" not in kinds
                                              and not low_precision_arithmetic(graph, n, o)

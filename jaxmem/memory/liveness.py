@@ -24,7 +24,7 @@ import sympy
 from jaxmem.graph import EXPENSIVE, Graph
 from jaxmem.memory.columns import Library, library_extras, library_fusions, library_owner
 from jaxmem.memory.epilogues import epilogue_broadcasts
-from jaxmem.memory.fillers import stacked_outputs
+from jaxmem.memory.fillers import carried, feeds_loop, stacked_outputs
 from jaxmem.memory.fusion import (
     Extra,
     element_count,
@@ -311,15 +311,18 @@ def _shared_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
     reuse_end: dict[int, int] = {}
     in_output: set[int] = set()
     taken: dict[int, int] = {}
-    nodes = graph.nodes
+    nodes, read = graph.nodes, last_use.keys() | outputs
     for p in range(len(order) - 1, -1, -1):
         n = nodes[order[p]]
-        if n.kind not in ("elementwise", "inplace"):
-            continue
-        for o in n.outputs:
-            if owner.get(o) != o or o in reuse_end or _feeds_loop(graph, o):
-                continue
+        loop = n.kind not in ("elementwise", "inplace")
+        if not loop:
             operands = list(dict.fromkeys(s for i in n.inputs for s in srcs(i)))
+            handed = [(o, operands) for o in n.outputs]
+        else:  # each final value of a loop's state may take its initial value's buffer,
+            handed = [(o, list(srcs(i))) for i, o in carried(graph, n, read)]  # on
+        for o, operands in handed:
+            if owner.get(o) != o or (o in reuse_end and not loop) or feeds_loop(graph, o):
+                continue
             cands = [i for i in operands
                      if owner.get(i, i) == i and i not in inputs and last_use.get(i) == p
                      and size(i) == size(o)
@@ -335,14 +338,6 @@ def _shared_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
                 taken[cands[0]] = o
             reuse_end[cands[0]] = p - 1
     return reuse_end, in_output, taken
-
-
-def _feeds_loop(graph: Graph, v: int) -> bool:
-    """Whether a loop reads ``v``: XLA colocates a loop's operands with its state, in an
-    allocation of their own, so ``v`` cannot be written into a dying operand's buffer
-    (an RNN's input projection ``x @ w + b``, scanned over: both live; -41 -> 0 %)."""
-    return any(graph.nodes[c].primitive in ("scan", "while")
-               for c in graph.consumers.get(v, ()))
 
 
 def _held_outputs(first_def: dict[int, int], outputs: set[int], taken: dict[int, int]
