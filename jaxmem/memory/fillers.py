@@ -1,10 +1,10 @@
 """A loop's state and constant filler: which buffers XLA runs a loop in, and broadcasts of a
 constant scalar XLA runs inside the loop.
 
-:func:`carried` pairs each initial value of a loop's state with its final value (one
-buffer where the initial value dies at the loop), :func:`feeds_loop` tells a loop's
-operand, :func:`stacked_outputs` lists the stacked outputs allocated at the start, and
-:func:`added_updates` the zeroed slice updates a loop body's gradient adds in place.
+:func:`carried` pairs a loop's zeroed accumulators with the gradients they become (one
+buffer), :func:`feeds_loop` tells a loop's operand, :func:`stacked_outputs` lists the
+stacked outputs allocated at the start, and :func:`added_updates` the zeroed slice
+updates a loop body's gradient adds in place.
 
 A causal mask's filler (``jnp.where(mask, s, -1e9)``'s broadcast, and the zeros of its
 transpose) is loop-invariant, so JAX's partial evaluation hoists it out of the scan

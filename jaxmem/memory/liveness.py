@@ -318,8 +318,8 @@ def _shared_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
         if not loop:
             operands = list(dict.fromkeys(s for i in n.inputs for s in srcs(i)))
             handed = [(o, operands) for o in n.outputs]
-        else:  # each final value of a loop's state may take its initial value's buffer,
-            handed = [(o, list(srcs(i))) for i, o in carried(graph, n, read)]  # on
+        else:  # a loop: a zeroed accumulator's buffer passes to its final value, and on
+            handed = [(o, list(srcs(i))) for i, o in carried(graph, n, read)]
         for o, operands in handed:
             if owner.get(o) != o or (o in reuse_end and not loop) or feeds_loop(graph, o):
                 continue
