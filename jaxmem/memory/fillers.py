@@ -132,14 +132,7 @@ def carried(graph: Graph, loop: Node, read: Container[int]) -> tuple[tuple[int, 
     worse, so it is left out; a zero-filled state nothing reads after the loop keeps a
     buffer of its own beside the loop's (measured). Not a loop: no pairs.
     """
-    params = loop.eqn.params if loop.eqn is not None else {}
-    if loop.primitive == "scan" and params:
-        consts, carry = scan_counts(params)
-        inits = loop.operands[consts:consts + carry]
-    elif loop.primitive == "while" and "body_nconsts" in params:
-        inits = loop.operands[params["cond_nconsts"] + params["body_nconsts"]:]
-    else:
-        return ()
+    inits = _state_operands(loop)
     return tuple((i, o) for i, o in zip(inits, loop.outputs[:len(inits)], strict=True)
                  if i is not None and o in read and _zero_filled(graph, i))
 
@@ -154,18 +147,21 @@ def _loop_state(loop: Node) -> frozenset[int]:
 
     XLA runs the loop in their buffer, made when its breadth-first scheduler reaches
     it: a backward scan's zeroed gradient accumulators live from before the forward
-    scan (13 MiB of nnx-scan's peak at (4, 256), level 1). A ``scan``'s consts and
-    ``xs``, and a ``while``'s consts, are only read.
+    scan (13 MiB of nnx-scan's peak at (4, 256), level 1).
     """
+    return frozenset(v for v in _state_operands(loop) if v is not None)
+
+
+def _state_operands(loop: Node) -> tuple[int | None, ...]:
+    """A loop's operands that initialise its state, in order (empty: not a loop).
+    A ``scan``'s consts and ``xs``, and a ``while``'s consts, are only read."""
     params = loop.eqn.params if loop.eqn is not None else {}
     if loop.primitive == "scan" and params:
         consts, carry = scan_counts(params)
-        first, stop = consts, consts + carry
-    elif loop.primitive == "while" and "body_nconsts" in params:
-        first, stop = params["cond_nconsts"] + params["body_nconsts"], len(loop.operands)
-    else:
-        return frozenset()
-    return frozenset(v for v in loop.operands[first:stop] if v is not None)
+        return loop.operands[consts:consts + carry]
+    if loop.primitive == "while" and "body_nconsts" in params:
+        return loop.operands[params["cond_nconsts"] + params["body_nconsts"]:]
+    return ()
 
 
 def _filled_from_scalar(graph: Graph, node: Node, hops: int = 8) -> bool:

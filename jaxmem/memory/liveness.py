@@ -314,14 +314,15 @@ def _shared_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
     nodes, read = graph.nodes, last_use.keys() | outputs
     for p in range(len(order) - 1, -1, -1):
         n = nodes[order[p]]
-        loop = n.kind not in ("elementwise", "inplace")
-        if not loop:
+        elementwise = n.kind in ("elementwise", "inplace")
+        if elementwise:
             operands = list(dict.fromkeys(s for i in n.inputs for s in srcs(i)))
             handed = [(o, operands) for o in n.outputs]
         else:  # a loop: a zeroed accumulator's buffer passes to its final value, and on
             handed = [(o, list(srcs(i))) for i, o in carried(graph, n, read)]
         for o, operands in handed:
-            if owner.get(o) != o or (o in reuse_end and not loop) or feeds_loop(graph, o):
+            if (owner.get(o) != o or (o in reuse_end and elementwise)
+                    or feeds_loop(graph, o)):
                 continue
             cands = [i for i in operands
                      if owner.get(i, i) == i and i not in inputs and last_use.get(i) == p

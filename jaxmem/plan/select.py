@@ -183,7 +183,8 @@ def _next_candidate(candidates: list[int], predicted: list[int], attempts: list[
     per cent compiles two levels, not five (``bench.unseen``'s ``cond``).
     """
     measured = [a for a in attempts if a.peak_bytes is not None]
-    left = [k for k in candidates if k not in {a.level for a in attempts}]
+    tried = {a.level for a in attempts}
+    left = [k for k in candidates if k not in tried]
     if not measured:
         return left[0] if left else None
     slack = max(0.0, *(a.predicted_peak_bytes / a.peak_bytes - 1 for a in measured))
