@@ -68,7 +68,8 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
              backend: str | None = None, owner: dict[int, int] | None = None,
              used: list[bool] | None = None,
              pairs: Sequence[tuple[int, int]] | None = None,
-             library: Library | None = None) -> tuple[Buffer, ...]:
+             library: Library | None = None, state_outputs: bool = False
+             ) -> tuple[Buffer, ...]:
     """Buffers and their live ranges when the graph runs in ``order``.
 
     Args:
@@ -81,6 +82,8 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
         used: ``used_nodes(graph)``, when the caller has it.
         pairs: ``dot_copies(graph, owner, used)``, when the caller has them.
         library: ``library_fusions(graph, used, backend)``, when the caller has it.
+        state_outputs: the graph is a control-flow body, whose outputs XLA writes into
+            the state buffers it runs in: no operand hands its buffer to one.
 
     Donation changes no live range (an argument lives for the whole run either way);
     :func:`jaxmem.memory.model.memory_model` subtracts the aliased bytes.
@@ -108,7 +111,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
             last_use[v] = max(last_use.get(v, x.start), x.start)
     outputs = _output_buffers(graph, order, owner, first_def)
     reuse_end, in_output, taken = _shared_buffers(graph, order, owner, srcs, last_use,
-                                                  outputs, widened, sizes)
+                                                  outputs, widened, sizes, state_outputs)
     held = _held_outputs(first_def, outputs, taken)
     buffers = _value_buffers(graph, len(order), owner, outputs, {**first_def, **held},
                              last_use, reuse_end, in_output, size)
@@ -284,7 +287,7 @@ def _output_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
 def _shared_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
                     srcs: Callable[[int], frozenset[int]], last_use: dict[int, int],
                     outputs: set[int], widened: dict[int, sympy.Expr],
-                    sizes: dict[int, sympy.Expr]
+                    sizes: dict[int, sympy.Expr], state_outputs: bool = False
                     ) -> tuple[dict[int, int], set[int], dict[int, int]]:
     """XLA's buffer sharing: an elementwise or in-place op writes into an operand dying there.
 
@@ -322,7 +325,7 @@ def _shared_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
             handed = [(o, list(srcs(i))) for i, o in carried(graph, n, read)]
         for o, operands in handed:
             if (owner.get(o) != o or (o in reuse_end and elementwise)
-                    or feeds_loop(graph, o)):
+                    or feeds_loop(graph, o) or (state_outputs and o in outputs)):
                 continue
             cands = [i for i in operands
                      if owner.get(i, i) == i and i not in inputs and last_use.get(i) == p

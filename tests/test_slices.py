@@ -1,0 +1,77 @@
+"""Loop bodies' memory (``jaxmem.memory.slices`` and the body rules of
+``jaxmem.memory.model``): a scanned MLP's backward body and a gradient-accumulation
+scan whose body runs a scan over layers, against XLA's peak computed here."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxmem
+from jaxmem.graph import build_graph
+from jaxmem.memory.liveness import liveness
+from jaxmem.memory.slices import sliced_xs, slices_as_temps
+
+LAYERS, D = 4, 64
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU rules")
+
+
+def _loss(p: dict, x: jax.Array) -> jax.Array:
+    def block(h: jax.Array, lp: dict) -> tuple[jax.Array, None]:
+        return h + jnp.tanh(h @ lp["w1"]) @ lp["w2"], None
+    return (jax.lax.scan(block, x, p)[0] ** 2).mean()
+
+
+def _sgd(p: dict, g: dict) -> dict:
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+
+def _scanned_step(p: dict, x: jax.Array) -> tuple[dict, jax.Array]:
+    loss, g = jax.value_and_grad(_loss)(p, x)
+    return _sgd(p, g), loss
+
+
+def _accumulating_step(p: dict, x: jax.Array) -> tuple[dict, jax.Array]:
+    def body(acc: dict, xs: jax.Array) -> tuple[dict, jax.Array]:
+        loss, g = jax.value_and_grad(_loss)(p, xs)
+        return jax.tree.map(jnp.add, acc, g), loss
+    g, losses = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p),
+                             x.reshape(2, x.shape[0] // 2, D))
+    return _sgd(p, g), losses.mean()
+
+
+def _params() -> dict:
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {"w1": 0.05 * jax.random.normal(k1, (LAYERS, D, 4 * D)),
+            "w2": 0.05 * jax.random.normal(k2, (LAYERS, 4 * D, D))}
+
+
+@pytest.mark.parametrize(("step", "rows", "bound"), [
+    # Before: +16.5 % (the backward body's slices counted through the whole body, the
+    # residual add's operand in the carry's buffer). Left: +7.7 %, a ``g * s`` read
+    # twice inside one fusion, which XLA fuses here but not in a GELU's backward.
+    (_scanned_step, 1024, 0.10),
+    # Before: -31 / -12 % (the inner loops' stacks and bodies were left out of the outer
+    # body's largest point); now +0.6 / +7.8 %.
+    (_accumulating_step, 128, 0.03), (_accumulating_step, 2048, 0.10)])
+def test_level_0_of_a_scanned_step_is_predicted_within_bounds(step, rows, bound) -> None:
+    args = (_params(), jnp.ones((rows, D)))
+    level = jaxmem.jit(step, polymorphic_shapes=(None, f"2*m, {D}"),
+                       constraints=("m <= 1024",)).compile_level(0, *args)
+    assert abs(level.predicted_peak_bytes / level.peak_bytes - 1) <= bound, (
+        level.predicted_peak_bytes, level.peak_bytes)
+
+
+def test_a_slice_a_dot_reads_is_a_temporary_until_that_dot() -> None:
+    g = build_graph(jax.make_jaxpr(_scanned_step)(_params(), jnp.ones((8, D))))
+    backward = [n for n in g.nodes if n.primitive == "scan"][-1]
+    body = backward.subgraphs[0]
+    slices = sliced_xs(body, backward.eqn.params)
+    assert slices, "the backward body reads its residuals' slices with dots"
+    order = list(range(len(body.nodes)))
+    buffers = slices_as_temps(body, order, liveness(body, order, "cpu"), slices)
+    for b in (b for b in buffers if b.value in slices):
+        readers = [c for c in body.consumers[b.value] if body.nodes[c].primitive == "dot_general"]
+        assert (b.kind, b.start, b.end) == ("temp", 0, max(readers)), b
