@@ -66,10 +66,8 @@ class Buffer:
 
 def liveness(graph: Graph, order: Sequence[int] | None = None,
              backend: str | None = None, owner: dict[int, int] | None = None,
-             used: list[bool] | None = None,
-             pairs: Sequence[tuple[int, int]] | None = None,
-             library: Library | None = None, state_outputs: bool = False
-             ) -> tuple[Buffer, ...]:
+             used: list[bool] | None = None, pairs: Sequence[tuple[int, int]] | None = None,
+             library: Library | None = None, state_outputs: bool = False) -> tuple[Buffer, ...]:
     """Buffers and their live ranges when the graph runs in ``order``.
 
     Args:
@@ -82,8 +80,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
         used: ``used_nodes(graph)``, when the caller has it.
         pairs: ``dot_copies(graph, owner, used)``, when the caller has them.
         library: ``library_fusions(graph, used, backend)``, when the caller has it.
-        state_outputs: the graph is a control-flow body, whose outputs XLA writes into
-            the state buffers it runs in: no operand hands its buffer to one.
+        state_outputs: a loop body's outputs are the state it runs in: no operand's buffer.
 
     Donation changes no live range (an argument lives for the whole run either way);
     :func:`jaxmem.memory.model.memory_model` subtracts the aliased bytes.

@@ -208,7 +208,7 @@ def _inner(graph: Graph, dom: ShapeDomain, symbolic: bool, backend: str | None,
     if hit is not None and hit[0]() is graph:
         return hit[1]
     m = memory_model(graph, dom, symbolic=symbolic, reuse_outputs=False, backend=backend,
-                     slices=slices, loop_body=True)
+                     body_slices=slices)
     _BODY_MODELS[key] = (weakref.ref(graph, lambda _: _BODY_MODELS.pop(key, None)), m)
     return m
 
@@ -241,8 +241,7 @@ def _largest_point(m: MemoryModel, dom: ShapeDomain) -> tuple[sympy.Expr, ...]:
 def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = None,
                  donated: Sequence[int] = (), symbolic: bool = True,
                  reuse_outputs: bool = True, backend: str | None = None,
-                 slices: frozenset[int] = frozenset(), loop_body: bool = False
-                 ) -> MemoryModel:
+                 body_slices: frozenset[int] | None = None) -> MemoryModel:
     """The symbolic memory of ``graph`` run in ``order``.
 
     Args:
@@ -258,10 +257,8 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
             some shapes); False keeps it a ``Max`` of polynomials.
         backend: the JAX platform whose XLA rules apply (default:
             ``jax.default_backend()``; see :func:`jaxmem.memory.liveness.liveness`).
-        slices: inputs of a loop body that XLA copies out of their stacks at the body's
-            start; each is a temporary until its last reader in memory.
-        loop_body: ``graph`` is a control-flow body: its outputs are the state buffers
-            it runs in (:func:`jaxmem.memory.liveness.liveness`'s ``state_outputs``).
+        body_slices: None, or ``graph`` is a loop body (its outputs are its state) and
+            these inputs are slices XLA copies out of their stacks (:mod:`.slices`).
 
     Returns:
         A :class:`MemoryModel`.
@@ -273,9 +270,9 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
     pairs = dot_copies(graph, owner, used)
     order = xla_order(graph, backend, owner, used, pairs) if order is None else list(order)
     buffers = liveness(graph, order, backend, owner, used, pairs, library,
-                       state_outputs=loop_body)
-    if slices:
-        buffers = slices_as_temps(graph, order, buffers, slices)
+                       state_outputs=body_slices is not None)
+    if body_slices:
+        buffers = slices_as_temps(graph, order, buffers, body_slices)
     n = len(order)
     tally: collections.Counter[str] = collections.Counter()
     bodies = _bodies(graph, order, dom, symbolic, backend)
@@ -290,23 +287,29 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
         temp, candidates = bound.derive(tally)
         upper = temp
     else:
-        temps = [(b.nbytes, b.start, b.end) for b in buffers if b.kind == "temp"]
-        outs_free = [(b.nbytes, b.start) for b in buffers
-                     if b.kind == "output" and b.value not in aliased and b.start >= 0]
-        temps += [(e, p, p) for p, body in bodies.items() for e in body.buffers]
-        whole = {p: body.temp for p, body in bodies.items() if not body.buffers}
-        temp, candidates = assignment_peak(temps, outs_free, whole, n, dom, tally, symbolic)
+        temp, candidates = _reusing_peak(buffers, aliased, bodies, n, dom, tally, symbolic)
     args = _total(tuple(b.nbytes for b in buffers if b.kind == "argument"))
     outs = _total(tuple(b.nbytes for b in buffers if b.kind == "output"))
-    if len(graph.outputs) > 1:
-        # Several results are returned as a tuple: XLA's output also holds its table
-        # of 8-byte pointers.
+    if len(graph.outputs) > 1:  # a tuple of results: XLA's output holds its pointer table
         outs += POINTER_BYTES * len(graph.outputs)
     alias = _total(tuple(graph.values[v].nbytes for v in aliased))
     return MemoryModel(buffers, args, outs, alias, temp, args + outs - alias + temp,
                        tuple(tuple(p.items()) for p in points) if table is None else table,
                        tuple(candidates),
                        tuple(sorted(tally.items())), upper, reuse_outputs)
+
+
+def _reusing_peak(buffers: Sequence[Buffer], aliased: set[int], bodies: dict[int, _Body],
+                  n: int, dom: ShapeDomain, tally: collections.Counter[str], symbolic: bool
+                  ) -> tuple[sympy.Expr, tuple[int, ...]]:
+    """:func:`~jaxmem.memory.assign.assignment_peak` of the temporaries and the bodies'
+    buffers, with the outputs not aliased to a donated argument free until written."""
+    temps = [(b.nbytes, b.start, b.end) for b in buffers if b.kind == "temp"]
+    outs_free = [(b.nbytes, b.start) for b in buffers
+                 if b.kind == "output" and b.value not in aliased and b.start >= 0]
+    temps += [(e, p, p) for p, body in bodies.items() for e in body.buffers]
+    whole = {p: body.temp for p, body in bodies.items() if not body.buffers}
+    return assignment_peak(temps, outs_free, whole, n, dom, tally, symbolic)
 
 
 @functools.lru_cache(maxsize=256)
