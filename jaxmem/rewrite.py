@@ -38,7 +38,7 @@ from jaxmem.plan.residuals import find_residuals
 from jaxmem.plan.segment_levels import apply_segment_plan
 from jaxmem.plan.segments import batch_inputs
 from jaxmem.schedulers import reorder
-from jaxmem.unroll import write_out_unrolled
+from jaxmem.unroll import write_out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +89,7 @@ def rewrite_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tup
         closed, out_shape = jax.make_jaxpr(fresh if microbatches > 1 else analysis.flat_fn,
                                            return_shape=True)(
             *jax.tree_util.tree_unflatten(tree, avals))
-    graph = build_graph(write_out_unrolled(closed, avals))
+    graph = build_graph(write_out(closed, avals))
     if microbatches > 1 and not isinstance(level, BodyLevel):
         graph = apply_in_chunks(graph, level, batch_inputs(analysis.graph))
         # what is left at the top is an uneven remainder's pass, if any

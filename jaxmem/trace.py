@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jaxmem.errors import JaxmemError, ShapeOutOfRangeError, SymbolicError
-from jaxmem.unroll import write_out_unrolled
+from jaxmem.unroll import write_out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +123,7 @@ def trace(fn: Callable[..., Any], *specs: Any) -> Traced:
         if unsupported is None:
             raise
         raise unsupported from e
-    closed = write_out_unrolled(closed, flat)
+    closed = write_out(closed, flat)
     symbols, constraints = symbols_of(flat)
     return Traced(closed, tuple(flat), in_tree, jax.tree_util.tree_structure(out_shape),
                   symbols, constraints)

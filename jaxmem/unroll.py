@@ -1,4 +1,4 @@
-"""A traced jaxpr with its unrolled scans written out as JAX lowers them.
+"""A traced jaxpr with its unrolled scans and constant ``cond``s written out as XLA runs them.
 
 ``lax.scan(..., unroll=u)`` stays one ``scan`` in the jaxpr, but JAX lowers it to a
 ``while`` loop of ``length // u`` trips whose body runs ``u`` copies of the scan body
@@ -8,15 +8,22 @@ and concatenates their outputs; where that loop would run one trip (``u`` of
 follows that program, not the rolled scan: a fully unrolled scan over four layers
 keeps no stacked residuals (about a third less than the rolled loop on a small
 decoder) and ``unroll=2`` adds the stacked copies (about a tenth more).
-:func:`write_out_unrolled` re-traces the jaxpr with each such scan replaced by that
+:func:`write_out` re-traces the jaxpr with each such scan replaced by that
 program, built from a rolled ``lax.scan`` and in-line copies of the body, so the
 graph, the memory model and the rewritten levels all see what XLA compiles.
+
+A ``cond`` whose index is a constant (``lax.cond(True, ...)``, ``lax.switch(i % 3, ...)``
+with a Python ``i`` inside a loop over layers) is a ``cond`` in the jaxpr, whose
+forward pass returns the residuals of every branch, zeros for those not taken; XLA
+folds the index and runs the taken branch in line (the same peak as the branch called
+directly; the model's figure for four such layers was +20 to +59 % above it). It is
+written out as that branch.
 
 Example:
     >>> import jax, jax.numpy as jnp
     >>> f = lambda x: jax.lax.scan(lambda c, y: (c * y, c), x[0], x, unroll=True)
     >>> closed = jax.make_jaxpr(f)(jnp.ones((3, 2)))
-    >>> out = write_out_unrolled(closed, [jax.ShapeDtypeStruct((3, 2), jnp.float32)])
+    >>> out = write_out(closed, [jax.ShapeDtypeStruct((3, 2), jnp.float32)])
     >>> [e.primitive.name for e in out.jaxpr.eqns].count("scan")
     0
 """
@@ -34,18 +41,26 @@ from jax.extend import core as jcore
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
 
 
-def has_unrolled(jaxpr: Any) -> bool:
-    """Whether ``jaxpr`` (or a call inside it) has a scan with ``unroll`` other than 1."""
+def needs_writing_out(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` (or a call inside it) has a scan with ``unroll`` other than 1 or a
+    ``cond`` whose index is a constant."""
+    known: set[Any] = set()
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan" and eqn.params.get("unroll", 1) != 1:
+        name = eqn.primitive.name
+        if name == "scan" and eqn.params.get("unroll", 1) != 1:
             return True
-        if eqn.primitive.name in _CALLS and has_unrolled(_callee(eqn).jaxpr):
+        if name == "cond" and _is_known(eqn.invars[0], known):
             return True
+        if name in _CALLS and needs_writing_out(_callee(eqn).jaxpr):
+            return True
+        if _scalar_arithmetic(eqn) and all(_is_known(v, known) for v in eqn.invars):
+            known.update(eqn.outvars)
     return False
 
 
-def write_out_unrolled(closed: Any, flat_specs: Sequence[jax.ShapeDtypeStruct]) -> Any:
-    """``closed`` re-traced at ``flat_specs`` with every unrolled scan written out.
+def write_out(closed: Any, flat_specs: Sequence[jax.ShapeDtypeStruct]) -> Any:
+    """``closed`` re-traced at ``flat_specs`` with every unrolled scan and every ``cond``
+    on a constant index written out.
 
     Scans under a call (``jax.jit`` inside the step) are reached by evaluating the call
     in line; scans inside other higher-order primitives (``cond``, ``while``, a
@@ -56,9 +71,10 @@ def write_out_unrolled(closed: Any, flat_specs: Sequence[jax.ShapeDtypeStruct]) 
         flat_specs: its flat argument specs (dims may be symbolic).
 
     Returns:
-        The equivalent ``ClosedJaxpr``, or ``closed`` itself when it has no unrolled scan.
+        The equivalent ``ClosedJaxpr``, or ``closed`` itself when there is nothing to
+        write out.
     """
-    if not has_unrolled(closed.jaxpr):
+    if not needs_writing_out(closed.jaxpr):
         return closed
     out = jax.make_jaxpr(lambda *args: _evaluate(closed.jaxpr, closed.consts, args, {}))(
         *flat_specs)
@@ -88,6 +104,19 @@ def _callee(eqn: Any) -> Any:
     return eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
 
 
+def _is_known(v: Any, known: set[Any]) -> bool:
+    return isinstance(v, jcore.Literal) or v in known
+
+
+def _scalar_arithmetic(eqn: Any) -> bool:
+    """An op on scalars with no body and no effect (a switch's ``clamp``, ``i % 3 == 0``):
+    on constants it is folded, as XLA folds it; a larger constant stays an op."""
+    return (bool(eqn.invars) and not eqn.effects  # (no inputs: ``dim_as_value``)
+            and all(v.aval.shape == () for v in eqn.outvars)
+            and not any(isinstance(p, jcore.ClosedJaxpr | jcore.Jaxpr | tuple)
+                        for p in eqn.params.values()))
+
+
 def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], grouped: _Grouped
               ) -> list[Any]:
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
@@ -102,9 +131,17 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], grouped: _
         if name == "scan" and eqn.params.get("unroll", 1) != 1:
             with _scope(eqn):
                 outs = _written_out_scan(eqn.params, ins, grouped)
-        elif name in _CALLS and has_unrolled(_callee(eqn).jaxpr):
+        elif name == "cond" and not isinstance(ins[0], jax.core.Tracer):
+            branch = eqn.params["branches"][int(ins[0])]
+            with _scope(eqn):  # a branch's own scopes are relative to the cond's
+                outs = _evaluate(branch.jaxpr, branch.consts, ins[1:], grouped)
+        elif name in _CALLS and needs_writing_out(_callee(eqn).jaxpr):
             callee = _callee(eqn)
             outs = _evaluate(callee.jaxpr, getattr(callee, "consts", ()), ins, grouped)
+        elif _scalar_arithmetic(eqn) and not any(isinstance(x, jax.core.Tracer) for x in ins):
+            with jax.ensure_compile_time_eval():
+                outs = eqn.primitive.bind(*ins, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
         else:
             bound = eqn.primitive.get_bind_params(eqn.params)  # (subfuns, params) before 0.10
             subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
