@@ -324,24 +324,23 @@ def _bodies(graph: Graph, order: Sequence[int], dom: ShapeDomain,
     """What each control-flow op's bodies need, at the order position of the op.
 
     An op with several bodies (``cond`` branches) needs the largest (a ``Max``). A
-    ``scan`` body also holds the slices of its ``xs`` that XLA materialises.
+    ``scan`` body also holds the slices of its ``xs`` that XLA copies out
+    (:mod:`jaxmem.memory.slices`).
     """
     out: dict[int, _Body] = {}
     for p, ni in enumerate(order):
         node = graph.nodes[ni]
         if not node.subgraphs:
             continue
-        models = [_inner(g, dom, symbolic, backend) for g in node.subgraphs]
-        # ``max_expr``, not ``sympy.Max``: sympy re-simplified a body's own ``Max`` by
-        # pairwise comparisons, a third of a scanned step's plan derivation.
-        if len(models) > 1 and node.primitive == "cond":
-            out[p] = _Body(max_expr([m.temp_bytes for m in models]))
-            continue
         sliced = (sliced_xs(node.subgraphs[0], node.eqn.params)
                   if node.primitive == "scan" and node.eqn is not None else frozenset())
-        if sliced:
-            models = [_inner(g, dom, symbolic, backend, sliced) for g in node.subgraphs]
+        models = [_inner(g, dom, symbolic, backend, sliced) for g in node.subgraphs]
+        # ``max_expr``, not ``sympy.Max``: sympy re-simplified a body's own ``Max`` by
+        # pairwise comparisons, a third of a scanned step's plan derivation.
         temp = max_expr([m.temp_bytes for m in models])
+        if len(models) > 1 and node.primitive == "cond":
+            out[p] = _Body(temp)
+            continue
         out[p] = _Body(temp, _largest_point(models[-1], dom))  # a while's body, not its cond
     return out
 
