@@ -32,6 +32,9 @@ Usage::
 
     python -m bench.unseen [--quick] [--programs dropout,cond] [--out unseen.json]
 
+The three kinds of :mod:`bench.unseen_kinds` (BatchNorm, a scan inside an accumulation
+scan, ``lax.switch`` per layer) run when named: ``--programs batchnorm,nested-scan,switch``.
+
 ``--quick``: 1 layer at (2, 16), for the test. Prints a table and writes
 ``{"rows": [...], "shape", "layers"}`` to ``--out``.
 """
@@ -52,6 +55,7 @@ import optax
 
 import jaxmem
 from bench.outputs import TextTable, add_output_arguments
+from bench.unseen_kinds import KINDS
 from bench.unseen_programs import CASES, Case
 
 D, VOCAB = 64, 128
@@ -241,12 +245,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"{layers} layers at b={b}, s={s} (decoders; bench.unseen_programs for the others); "
         f"budget {BUDGET_FRACTION}x plain jax.jit's peak")
     rows = []
+    others = {**CASES, **KINDS}  # the kinds run when named (session 31's sweep)
     for name in args.programs.split(","):
-        if name not in PROGRAMS and name not in CASES:
+        if name not in PROGRAMS and name not in others:
             raise SystemExit(f"--programs: unknown program {name!r}; known: "
-                             f"{', '.join([*PROGRAMS, *CASES])}")
+                             f"{', '.join([*PROGRAMS, *others])}")
         case = (decoder_case(name, args.quick) if name in PROGRAMS
-                else CASES[name](args.quick))
+                else others[name](args.quick))
         row = measure(name, case)
         rows.append(row)
         errors = [_error(lv) for lv in row["levels"]]

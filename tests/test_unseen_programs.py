@@ -1,7 +1,7 @@
-"""bench.unseen_programs: programs written apart from jaxmem run under ``jaxmem.jit``
-exactly as under ``jax.jit`` at their deepest level; at full size XLA puts that level's
-peak below level 0's. The eval step (no gradient, nothing to recompute: one level) runs
-exactly as under ``jax.jit``."""
+"""bench.unseen_programs and bench.unseen_kinds: programs written apart from jaxmem run
+under ``jaxmem.jit`` exactly as under ``jax.jit`` at their deepest level; at full size XLA
+puts that level's peak below level 0's. The eval step (no gradient, nothing to
+recompute: one level) runs exactly as under ``jax.jit``."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 import jaxmem
+from bench.unseen_kinds import KINDS
 from bench.unseen_programs import CASES
 
 
 def _check_deepest_level(name: str, quick: bool) -> None:
-    case = CASES[name](quick)
+    case = {**CASES, **KINDS}[name](quick)
     args = (case.state, *case.data)
     f = jaxmem.jit(case.step, polymorphic_shapes=case.polymorphic_shapes,
                    constraints=case.constraints)
@@ -29,7 +30,7 @@ def _check_deepest_level(name: str, quick: bool) -> None:
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
 
 
-TRAIN = sorted(set(CASES) - {"eval"})
+TRAIN = sorted((set(CASES) | set(KINDS)) - {"eval"})
 
 
 @pytest.mark.parametrize("name", TRAIN)

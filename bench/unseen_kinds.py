@@ -1,0 +1,135 @@
+"""Three more program kinds written apart from jaxmem (session 31's sweep), each a
+:class:`~bench.unseen_programs.Case`:
+
+* ``batchnorm``: a Flax linen MLP classifier with ``nn.BatchNorm`` in every block
+  (``batch_stats`` updated as a mutable collection), under SGD with momentum;
+* ``nested-scan``: gradient accumulation (a ``lax.scan`` over microbatches) of a
+  decoder whose layers run under a ``lax.scan`` over stacked params, under AdamW;
+* ``switch``: a decoder whose layers pick their activation by ``lax.switch`` on the
+  layer's static index, under Adam.
+
+Example:
+    >>> case = KINDS["switch"](True)
+    >>> state, loss = case.step(case.state, *case.data)
+    >>> float(loss) > 0
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from bench.programs import optax_step
+from bench.unseen_programs import VOCAB, Case, accumulation_step
+
+WIDTH, CLASSES = 64, 10
+ACTIVATIONS = (jax.nn.gelu, jnp.tanh, jax.nn.relu)
+
+
+def _ints(shape: tuple[int, ...], high: int, seed: int = 0) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).integers(0, high, shape), jnp.int32)
+
+
+def _layer(key: jax.Array) -> dict[str, jax.Array]:
+    shapes = {"qkv": (WIDTH, 3 * WIDTH), "o": (WIDTH, WIDTH), "up": (WIDTH, 4 * WIDTH),
+              "down": (4 * WIDTH, WIDTH)}
+    keys = jax.random.split(key, len(shapes))
+    return {n: 0.05 * jax.random.normal(k, s) for (n, s), k in zip(shapes.items(), keys,
+                                                                   strict=True)}
+
+
+def _block(x: jax.Array, p: dict[str, jax.Array], act: Callable = jax.nn.gelu) -> jax.Array:
+    s = x.shape[1]
+    h = x - x.mean(-1, keepdims=True)
+    q, k, v = jnp.split(h @ p["qkv"], 3, -1)
+    scores = jnp.einsum("bqd,bkd->bqk", q, k) / np.sqrt(WIDTH)
+    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e9)
+    x = x + jax.nn.softmax(scores, -1) @ v @ p["o"]
+    return x + act(x @ p["up"]) @ p["down"]
+
+
+def _next_token_loss(x: jax.Array, emb: jax.Array, tokens: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(
+        x @ emb.T, jnp.roll(tokens, -1, 1)).mean()
+
+
+class _BatchNormMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for _ in range(4):
+            h = nn.BatchNorm(use_running_average=False)(nn.Dense(4 * WIDTH)(x))
+            x = x + nn.Dense(WIDTH)(nn.relu(h))
+        return nn.Dense(CLASSES)(x)
+
+
+def batchnorm_case(quick: bool) -> Case:
+    """A BatchNorm MLP classifier over ``b`` feature vectors."""
+    b = 8 if quick else 512
+    model, opt = _BatchNormMLP(), optax.sgd(1e-2, momentum=0.9)
+    variables = model.init(jax.random.key(0), jnp.ones((2, WIDTH)))
+    params, stats = variables["params"], variables["batch_stats"]
+
+    def step(state: Any, x: jax.Array, labels: jax.Array) -> Any:
+        p, batch_stats, opt_state = state
+
+        def loss(p: Any) -> tuple[jax.Array, Any]:
+            logits, new = model.apply({"params": p, "batch_stats": batch_stats}, x,
+                                      mutable=["batch_stats"])
+            return (optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(),
+                    new["batch_stats"])
+
+        (value, batch_stats), grads = jax.value_and_grad(loss, has_aux=True)(p)
+        updates, opt_state = opt.update(grads, opt_state, p)
+        return (optax.apply_updates(p, updates), batch_stats, opt_state), value
+
+    x = jax.random.normal(jax.random.key(1), (b, WIDTH))
+    return Case(step, (params, stats, opt.init(params)), (x, _ints((b,), CLASSES)),
+                (None, f"b, {WIDTH}", "b"), (f"b <= {b}", "b >= 2"))
+
+
+def nested_scan_case(quick: bool) -> Case:
+    """Gradient accumulation over 4 microbatches of a scan-over-layers decoder."""
+    layers, (b, s) = (1, (2, 16)) if quick else (3, (8, 64))
+    keys = jax.random.split(jax.random.key(2), layers + 1)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *[_layer(k) for k in keys[1:]])
+    params = {"emb": 0.05 * jax.random.normal(keys[0], (VOCAB, WIDTH)), "layers": stacked}
+    opt = optax.adamw(1e-3)
+
+    def loss(p: Any, tokens: jax.Array) -> jax.Array:
+        x, _ = jax.lax.scan(lambda c, lp: (_block(c, lp), None), p["emb"][tokens],
+                            p["layers"])
+        return _next_token_loss(x, p["emb"], tokens)
+
+    return Case(accumulation_step(loss, opt), (params, opt.init(params)),
+                (_ints((4, b, s), VOCAB),), (None, "4, b, s"), (f"b <= {b}", f"s <= {s}"))
+
+
+def switch_case(quick: bool) -> Case:
+    """Layers whose activation is chosen by ``lax.switch`` on the static layer index."""
+    layers, (b, s) = (1, (2, 16)) if quick else (3, (8, 64))
+    keys = jax.random.split(jax.random.key(3), layers + 1)
+    params = {"emb": 0.05 * jax.random.normal(keys[0], (VOCAB, WIDTH)),
+              "layers": [_layer(k) for k in keys[1:]]}
+    opt = optax.adam(1e-3)
+
+    def loss(p: Any, tokens: jax.Array) -> jax.Array:
+        x = p["emb"][tokens]
+        for i, lp in enumerate(p["layers"]):
+            x = jax.lax.switch(i % 3, [lambda x, lp=lp, a=a: _block(x, lp, a)
+                                       for a in ACTIVATIONS], x)
+        return _next_token_loss(x, p["emb"], tokens)
+
+    return Case(optax_step(loss, opt), (params, opt.init(params)), (_ints((b, s), VOCAB),),
+                (None, "b, s"), (f"b <= {b}", f"s <= {s}"))
+
+
+#: name -> builder of the program's case (``quick``: CI-sized)
+KINDS: dict[str, Callable[[bool], Case]] = {
+    "batchnorm": batchnorm_case, "nested-scan": nested_scan_case, "switch": switch_case}
