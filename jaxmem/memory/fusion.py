@@ -49,9 +49,9 @@ def materialised(graph: Graph) -> dict[int, int]:
     that can fuse it (elementwise ops and reductions) and takes no buffer, unless it is
     an output, feeds an op that needs its operands in memory (dots, gathers, control
     flow, ...), or is read by more than one consumer and is expensive to recompute
-    (``EXPENSIVE``) or a reduction reads it (:func:`_reduced_through`). Folded in: a pad into the
-    windows reading it (a view), a zeroed slice update into the add reading it
-    (:func:`added_updates`), exps into readers the jaxpr does not show (``merged``).
+    (``EXPENSIVE``) or a reduction reads it (:func:`_reduced_through`). Folded in: a pad
+    into the windows reading it (a view), a zeroed slice update into the add reading
+    it (:func:`added_updates`), exps into readers the jaxpr does not show (``merged``).
     """
     consumers, nodes, outputs = graph.consumers, graph.nodes, set(graph.outputs)
     owner: dict[int, int] = {v: v for v in graph.inputs}
@@ -94,12 +94,12 @@ def materialised(graph: Graph) -> dict[int, int]:
             if o in sunk and all(k in ("elementwise", "reduce", "control") for k in kinds):
                 owner[o] = -1
                 continue
-            # XLA CPU's reduction library reads its operand from memory: a value shared
-            # with other readers is materialised (LayerNorm's ``x - mean``, a bf16 convert).
-            reduced = "reduce" in kinds or _reduced_through(graph, o)
-            duplicable = len(kinds) <= 1 or (n.primitive not in EXPENSIVE and not reduced
+            # XLA CPU's reduction library reads its operand from memory: a shared value is
+            # materialised (LayerNorm's x - mean, a bf16 convert; the costly walk last).
+            duplicable = len(kinds) <= 1 or (n.primitive not in EXPENSIVE and "reduce" not in kinds
                                              and not low_precision_arithmetic(graph, n, o)
-                                             and _effectively_unary(graph, n))
+                                             and _effectively_unary(graph, n)
+                                             and not _reduced_through(graph, o))
             owner[o] = -1 if (fusible and duplicable) else o
     return owner
 
