@@ -361,22 +361,26 @@ class _Rewrite:
         """An ``optimization_barrier`` over a block's sources; original -> barrier output."""
         graph, producers = self.graph, self.producers
         # The barrier's backward operands pin the block after the node that ran just
-        # before its first use: XLA can hoist neither recomputation nor reload.
-        trigger = next((v for v in node.inputs if v in producers
-                        and graph.nodes[producers[v]].is_backward and self.pinnable(v)),
-                       self.last_out)
+        # before its first use: XLA can hoist neither recomputation nor reload. One the
+        # node reads is best (its barrier output is read, so XLA keeps the operand), a
+        # fused one materialised by the barrier next; the latest value made is the last
+        # resort.
+        backward = [v for v in node.inputs if v in producers
+                    and graph.nodes[producers[v]].is_backward and v not in self.constant]
+        trigger = next((v for v in backward if self.pinnable(v)),
+                       backward[0] if backward else self.last_out)
         sources = [self.rename.get(v, v) for v in leaves] + [self.host[v] for v in reload]
         sourced = set(leaves)
-        live = [v for v in self.live if v not in sourced]
-        pinned = [self.rename.get(v, v) for v in live] or (
-            [trigger] if trigger is not None else [])
-        barrier_in = sources + pinned
+        live = [v for v in self.live if v not in sourced] or (
+            [trigger] if trigger is not None and trigger not in sourced else [])
+        barrier_in = sources + [self.rename.get(v, v) for v in live]
         barrier_out = [self.new_value(v) for v in barrier_in]
         self.nodes.append(Node(len(self.nodes), "optimization_barrier", "view", tuple(barrier_in),
                                tuple(barrier_out), node.scope + "/remat",
                                operands=tuple(barrier_in)))
-        # Later backward reads of the live values read the barrier's outputs.
-        self.rename.update(zip(live, barrier_out[len(sources):], strict=False))
+        # Later backward reads of the pinned values read the barrier's outputs: XLA drops a
+        # barrier operand whose output nothing reads, and the barrier then floats free.
+        self.rename.update(zip(live, barrier_out[len(sources):], strict=True))
         return dict(zip(leaves + reload, barrier_out, strict=False))
 
     def replay(self, chain: list[int], local: dict[int, int]) -> None:
