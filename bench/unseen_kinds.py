@@ -1,4 +1,4 @@
-"""Three more program kinds written apart from jaxmem (session 31's sweep), each a
+"""More program kinds written apart from jaxmem (sessions 31 and 32's sweeps), each a
 :class:`~bench.unseen_programs.Case`:
 
 * ``batchnorm``: a Flax linen MLP classifier with ``nn.BatchNorm`` in every block
@@ -6,7 +6,13 @@
 * ``nested-scan``: gradient accumulation (a ``lax.scan`` over microbatches) of a
   decoder whose layers run under a ``lax.scan`` over stacked params, under AdamW;
 * ``switch``: a decoder whose layers pick their activation by ``lax.switch`` on the
-  layer's static index, under Adam.
+  layer's static index, under Adam;
+* ``rotary``: a decoder with Llama's original complex-valued rotary embedding
+  (``complex64`` frequencies, ``lax.complex``), under Adam;
+* ``padded``: a decoder over right-padded rows (a ``bool`` padding mask argument,
+  ``-1`` labels ignored), dropout on the attention probabilities drawn from a typed key
+  carried in the state, a loss with a z-loss term and a metrics dict, under
+  ``optax.chain(clip_by_global_norm, adamw)`` with a schedule and a weight-decay mask.
 
 Example:
     >>> case = KINDS["switch"](True)
@@ -130,6 +136,91 @@ def switch_case(quick: bool) -> Case:
                 (None, "b, s"), (f"b <= {b}", f"s <= {s}"))
 
 
+def _rotate(x: jax.Array) -> jax.Array:
+    """Llama's original rotary embedding: pairs of features as complex numbers."""
+    s, half = x.shape[1], x.shape[-1] // 2
+    angles = jnp.arange(s)[:, None] / 10000.0 ** (jnp.arange(half) / half)
+    turned = jax.lax.complex(x[..., ::2], x[..., 1::2]) * jnp.exp(
+        1j * angles.astype(jnp.complex64))[None, :, None]
+    return jnp.stack([turned.real, turned.imag], -1).reshape(x.shape)
+
+
+def _heads(x: jax.Array, p: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
+    b, s, _ = x.shape
+    h = x - x.mean(-1, keepdims=True)
+    return tuple(a.reshape(b, s, 4, WIDTH // 4) for a in jnp.split(h @ p["qkv"], 3, -1))
+
+
+def _attend(probs: jax.Array, v: jax.Array, x: jax.Array, p: dict[str, jax.Array]
+            ) -> jax.Array:
+    x = x + jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(x.shape) @ p["o"]
+    return x + jax.nn.gelu(x @ p["up"]) @ p["down"]
+
+
+def rotary_case(quick: bool) -> Case:
+    """Rotary attention with complex-valued frequencies."""
+    layers, (b, s) = (1, (2, 16)) if quick else (3, (8, 64))
+    keys = jax.random.split(jax.random.key(4), layers + 1)
+    params = {"emb": 0.05 * jax.random.normal(keys[0], (VOCAB, WIDTH)),
+              "layers": [_layer(k) for k in keys[1:]]}
+    opt = optax.adam(1e-3)
+
+    def loss(p: Any, tokens: jax.Array) -> jax.Array:
+        x = p["emb"][tokens]
+        causal = jnp.tril(jnp.ones((tokens.shape[1],) * 2, bool))
+        for lp in p["layers"]:
+            q, k, v = _heads(x, lp)
+            scores = jnp.einsum("bqhd,bkhd->bhqk", _rotate(q), _rotate(k)) / 4.0
+            x = _attend(jax.nn.softmax(jnp.where(causal, scores, -1e9), -1), v, x, lp)
+        return _next_token_loss(x, p["emb"], tokens)
+
+    return Case(optax_step(loss, opt), (params, opt.init(params)), (_ints((b, s), VOCAB),),
+                (None, "b, s"), (f"b <= {b}", f"s <= {s}"))
+
+
+def padded_case(quick: bool) -> Case:
+    """Right-padded rows, attention dropout from a typed key, metrics, a clipped AdamW."""
+    layers, (b, s) = (1, (2, 16)) if quick else (3, (8, 64))
+    keys = jax.random.split(jax.random.key(5), layers + 1)
+    params = {"emb": 0.05 * jax.random.normal(keys[0], (VOCAB, WIDTH)),
+              "layers": [_layer(k) for k in keys[1:]]}
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
+        optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100), weight_decay=0.1,
+        mask=lambda p: jax.tree.map(lambda a: a.ndim > 1, p)))
+
+    def loss(p: Any, tokens: jax.Array, mask: jax.Array, key: jax.Array) -> Any:
+        x = p["emb"][jnp.maximum(tokens, 0)]
+        visible = jnp.tril(jnp.ones((tokens.shape[1],) * 2, bool)) & mask[:, None, None, :]
+        for lp, k in zip(p["layers"], jax.random.split(key, len(p["layers"])), strict=True):
+            q, kk, v = _heads(x, lp)
+            scores = jnp.where(visible, jnp.einsum("bqhd,bkhd->bhqk", q, kk) / 4.0, -1e9)
+            probs = jax.nn.softmax(scores, -1)
+            probs = jnp.where(jax.random.bernoulli(k, 0.9, probs.shape), probs / 0.9, 0.0)
+            x = _attend(probs, v, x, lp)
+        logits = x @ p["emb"].T
+        norm = jax.nn.logsumexp(logits, -1)
+        picked = jnp.take_along_axis(logits, jnp.maximum(tokens, 0)[..., None], -1)[..., 0]
+        weight = (tokens >= 0) & mask
+        count = jnp.maximum(weight.sum(), 1)
+        hits = (logits.argmax(-1) == tokens) & weight
+        return (((norm - picked + 1e-4 * norm ** 2) * weight).sum() / count,
+                {"accuracy": hits.sum() / count, "tokens": count})
+
+    def step(state: Any, tokens: jax.Array, mask: jax.Array) -> Any:
+        p, opt_state, key = state
+        key, sub = jax.random.split(key)
+        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(p, tokens, mask, sub)
+        updates, opt_state = opt.update(grads, opt_state, p)
+        return ((optax.apply_updates(p, updates), opt_state, key),
+                {"loss": value, "grad_norm": optax.global_norm(grads), **metrics})
+
+    mask = jnp.asarray(np.arange(s)[None] < s - np.arange(b)[:, None] % 5)
+    tokens = jnp.where(mask, _ints((b, s), VOCAB), -1)
+    return Case(step, (params, opt.init(params), jax.random.key(6)), (tokens, mask),
+                (None, "b, s", "b, s"), (f"b <= {b}", f"s <= {s}", "s >= 6"))
+
+
 #: name -> builder of the program's case (``quick``: CI-sized)
 KINDS: dict[str, Callable[[bool], Case]] = {
-    "batchnorm": batchnorm_case, "nested-scan": nested_scan_case, "switch": switch_case}
+    "batchnorm": batchnorm_case, "nested-scan": nested_scan_case, "switch": switch_case,
+    "rotary": rotary_case, "padded": padded_case}

@@ -25,8 +25,14 @@ def _check_deepest_level(name: str, quick: bool) -> None:
     if not quick:  # tiny shapes are all fixed overhead, where a level can cost a little
         assert deepest.peak_bytes < f.compile_level(0, *args).peak_bytes
     f.use_plan(deepest, *args)
-    got, want = f(*args), jax.jit(case.step)(*args)
+    _assert_same(f(*args), jax.jit(case.step)(*args))
+
+
+def _assert_same(got: object, want: object) -> None:
+    """Leaf by leaf to float32 rounding; typed PRNG keys by their key data."""
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
 
 
@@ -50,6 +56,4 @@ def test_eval_step_runs_as_jax_jit(quick: bool) -> None:
     args = (case.state, *case.data)
     f = jaxmem.jit(case.step, polymorphic_shapes=case.polymorphic_shapes,
                    constraints=case.constraints)
-    got, want = f(*args), jax.jit(case.step)(*args)
-    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+    _assert_same(f(*args), jax.jit(case.step)(*args))

@@ -124,7 +124,7 @@ def constant_operands(graph: Graph, node: Node, fold: bool = True) -> list[tuple
         b = graph.nodes[p] if p is not None else None
         if b is not None and b.primitive == "broadcast_in_dim" and not b.inputs and b.eqn:
             atoms.append(b.eqn.invars[0])
-    vals = [float(val) for atom in atoms
+    vals = [_scalar(val) for atom in atoms
             if (val := getattr(atom, "val", None)) is not None and getattr(val, "shape", ()) == ()]
     if not vals:  # most ops: nothing below is worth its sympy division
         return []
@@ -132,6 +132,13 @@ def constant_operands(graph: Graph, node: Node, fold: bool = True) -> list[tuple
         return []  # XLA's simplifier folds c1 * (c2 * x) into one constant
     itemsize = out.nbytes / sympy.Mul(*out.shape)
     return [(val, out.shape, itemsize) for val in vals]
+
+
+def _scalar(val: object) -> float | complex:
+    """A literal as a hashable Python number: complex only where it has an imaginary part
+    (a complex rotary's ``1j``), so that ``2.0`` and ``2+0j`` share one key."""
+    z = complex(val)
+    return z.real if z.imag == 0 else z
 
 
 def constant_readers(graph: Graph, used: Sequence[bool]) -> dict[tuple, list[int]]:
