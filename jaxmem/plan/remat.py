@@ -360,11 +360,9 @@ class _Rewrite:
     def barrier(self, node: Node, leaves: list[int], reload: list[int]) -> dict[int, int]:
         """An ``optimization_barrier`` over a block's sources; original -> barrier output."""
         graph, producers = self.graph, self.producers
-        # The barrier's backward operands pin the block after the node that ran just
-        # before its first use: XLA can hoist neither recomputation nor reload. One the
-        # node reads is best (its barrier output is read, so XLA keeps the operand), a
-        # fused one materialised by the barrier next; the latest value made is the last
-        # resort.
+        # Backward operands pin the block after the node before its first use (no hoisted
+        # rebuild or reload); later reads read the barrier's outputs, as XLA drops unread
+        # operands. Best a buffer the node reads, then a fused one (materialised).
         backward = [v for v in node.inputs if v in producers
                     and graph.nodes[producers[v]].is_backward and v not in self.constant]
         trigger = next((v for v in backward if self.pinnable(v)),
@@ -378,8 +376,6 @@ class _Rewrite:
         self.nodes.append(Node(len(self.nodes), "optimization_barrier", "view", tuple(barrier_in),
                                tuple(barrier_out), node.scope + "/remat",
                                operands=tuple(barrier_in)))
-        # Later backward reads of the pinned values read the barrier's outputs: XLA drops a
-        # barrier operand whose output nothing reads, and the barrier then floats free.
         self.rename.update(zip(live, barrier_out[len(sources):], strict=True))
         return dict(zip(leaves + reload, barrier_out, strict=False))
 
