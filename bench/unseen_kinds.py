@@ -117,12 +117,17 @@ def nested_scan_case(quick: bool) -> Case:
                 (_ints((4, b, s), VOCAB),), (None, "4, b, s"), (f"b <= {b}", f"s <= {s}"))
 
 
+def _decoder(quick: bool, seed: int) -> tuple[dict[str, Any], tuple[int, int]]:
+    """A small decoder's embedding and per-layer params, and its ``(b, s)``."""
+    layers, shape = (1, (2, 16)) if quick else (3, (8, 64))
+    keys = jax.random.split(jax.random.key(seed), layers + 1)
+    return ({"emb": 0.05 * jax.random.normal(keys[0], (VOCAB, WIDTH)),
+             "layers": [_layer(k) for k in keys[1:]]}, shape)
+
+
 def switch_case(quick: bool) -> Case:
     """Layers whose activation is chosen by ``lax.switch`` on the static layer index."""
-    layers, (b, s) = (1, (2, 16)) if quick else (3, (8, 64))
-    keys = jax.random.split(jax.random.key(3), layers + 1)
-    params = {"emb": 0.05 * jax.random.normal(keys[0], (VOCAB, WIDTH)),
-              "layers": [_layer(k) for k in keys[1:]]}
+    params, (b, s) = _decoder(quick, 3)
     opt = optax.adam(1e-3)
 
     def loss(p: Any, tokens: jax.Array) -> jax.Array:
@@ -159,10 +164,7 @@ def _attend(probs: jax.Array, v: jax.Array, x: jax.Array, p: dict[str, jax.Array
 
 def rotary_case(quick: bool) -> Case:
     """Rotary attention with complex-valued frequencies."""
-    layers, (b, s) = (1, (2, 16)) if quick else (3, (8, 64))
-    keys = jax.random.split(jax.random.key(4), layers + 1)
-    params = {"emb": 0.05 * jax.random.normal(keys[0], (VOCAB, WIDTH)),
-              "layers": [_layer(k) for k in keys[1:]]}
+    params, (b, s) = _decoder(quick, 4)
     opt = optax.adam(1e-3)
 
     def loss(p: Any, tokens: jax.Array) -> jax.Array:
@@ -180,10 +182,7 @@ def rotary_case(quick: bool) -> Case:
 
 def padded_case(quick: bool) -> Case:
     """Right-padded rows, attention dropout from a typed key, metrics, a clipped AdamW."""
-    layers, (b, s) = (1, (2, 16)) if quick else (3, (8, 64))
-    keys = jax.random.split(jax.random.key(5), layers + 1)
-    params = {"emb": 0.05 * jax.random.normal(keys[0], (VOCAB, WIDTH)),
-              "layers": [_layer(k) for k in keys[1:]]}
+    params, (b, s) = _decoder(quick, 5)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
         optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100), weight_decay=0.1,
         mask=lambda p: jax.tree.map(lambda a: a.ndim > 1, p)))
