@@ -49,7 +49,8 @@ def materialised(graph: Graph) -> dict[int, int]:
     that can fuse it (elementwise ops and reductions) and takes no buffer, unless it is
     an output, feeds an op that needs its operands in memory (dots, gathers, control
     flow, ...), or is read by more than one consumer and is expensive to recompute
-    (``EXPENSIVE``) or a reduction reads it (:func:`_reduced_through`). Folded in: a pad
+    (``EXPENSIVE``, unless its readers meet in one op: :func:`_converges`) or a
+    reduction reads it (:func:`_reduced_through`). Folded in: a pad
     into the windows reading it (a view), a zeroed slice update into the add reading
     it (:func:`added_updates`), exps into readers the jaxpr does not show (``merged``).
     """
@@ -95,13 +96,38 @@ def materialised(graph: Graph) -> dict[int, int]:
                 owner[o] = -1
                 continue
             # XLA CPU's reduction library reads its operand from memory: a shared value is
-            # materialised (LayerNorm's x - mean, a bf16 convert; the costly walk last).
-            duplicable = len(kinds) <= 1 or (n.primitive not in EXPENSIVE and "reduce" not in kinds
-                                             and not low_precision_arithmetic(graph, n, o)
-                                             and _effectively_unary(graph, n)
-                                             and not _reduced_through(graph, o))
+            # materialised (LayerNorm's x - mean, a bf16 convert; the costly walk last). An
+            # expensive one is not duplicated, but fused where its readers meet (float32:
+            # XLA writes each bf16 op of a GELU backward apart).
+            duplicable = len(kinds) <= 1 or (
+                n.primitive in EXPENSIVE and _converges(graph, o)
+                and not low_precision_arithmetic(graph, n, o)) or (
+                n.primitive not in EXPENSIVE and "reduce" not in kinds
+                and not low_precision_arithmetic(graph, n, o) and _effectively_unary(graph, n)
+                and not _reduced_through(graph, o))
             owner[o] = -1 if (fusible and duplicable) else o
     return owner
+
+
+def _converges(graph: Graph, v: int, steps: int = 24) -> bool:
+    """Whether every path from ``v``'s readers meets in one elementwise op through
+    elementwise ops only: XLA's loop fusion grown from that op takes ``v`` and all its
+    readers in, duplicating nothing (a GELU backward from a rebuilt pre-activation to
+    the input gradient, where no weight gradient reads the rebuilt activation)."""
+    nodes, consumers, outputs = graph.nodes, graph.consumers, set(graph.outputs)
+    front = set(consumers.get(v, ()))
+    for _ in range(steps):
+        first = min(front, default=None)
+        if first is None or nodes[first].kind != "elementwise" or len(nodes[first].outputs) != 1:
+            return False
+        if len(front) == 1:
+            return True
+        out = nodes[first].outputs[0]
+        if out in outputs or not consumers.get(out):
+            return False
+        front.remove(first)
+        front.update(consumers[out])
+    return False
 
 
 def _reduced_through(graph: Graph, v: int, steps: int = 3) -> bool:
