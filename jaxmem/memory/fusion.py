@@ -98,9 +98,10 @@ def materialised(graph: Graph) -> dict[int, int]:
             # XLA CPU's reduction library reads its operand from memory: a shared value is
             # materialised (LayerNorm's x - mean, a bf16 convert; the costly walk last). An
             # expensive one is not duplicated, but fused where its readers meet (float32:
-            # XLA writes each bf16 op of a GELU backward apart).
+            # XLA writes each bf16 op of a GELU backward apart; a merged exp has a reader
+            # the jaxpr does not show).
             duplicable = len(kinds) <= 1 or (
-                n.primitive in EXPENSIVE and _converges(graph, o)
+                n.primitive in EXPENSIVE and o not in merged and _converges(graph, o)
                 and not low_precision_arithmetic(graph, n, o)) or (
                 n.primitive not in EXPENSIVE and "reduce" not in kinds
                 and not low_precision_arithmetic(graph, n, o) and _effectively_unary(graph, n)
