@@ -95,19 +95,24 @@ def materialised(graph: Graph) -> dict[int, int]:
             if o in sunk and all(k in ("elementwise", "reduce", "control") for k in kinds):
                 owner[o] = -1
                 continue
-            # XLA CPU's reduction library reads its operand from memory: a shared value is
-            # materialised (LayerNorm's x - mean, a bf16 convert; the costly walk last). An
-            # expensive one is not duplicated, but fused where its readers meet (float32:
-            # XLA writes each bf16 op of a GELU backward apart; a merged exp has a reader
-            # the jaxpr does not show).
-            duplicable = len(kinds) <= 1 or (
-                n.primitive in EXPENSIVE and o not in merged and _converges(graph, o)
-                and not low_precision_arithmetic(graph, n, o)) or (
-                n.primitive not in EXPENSIVE and "reduce" not in kinds
-                and not low_precision_arithmetic(graph, n, o) and _effectively_unary(graph, n)
-                and not _reduced_through(graph, o))
+            duplicable = len(kinds) <= 1 or _shared_fusible(graph, n, o, kinds, o in merged)
             owner[o] = -1 if (fusible and duplicable) else o
     return owner
+
+
+def _shared_fusible(graph: Graph, n: Node, o: int, kinds: list[str], merged: bool) -> bool:
+    """Whether XLA fuses ``o``, read by several consumers of ``kinds``, into all of them.
+
+    XLA CPU's reduction library reads its operand from memory: a shared value is
+    materialised (LayerNorm's x - mean, a bf16 convert; the costly walk last). An
+    expensive one is not duplicated, but fused where its readers meet (float32: XLA writes
+    each bf16 op of a GELU backward apart; a ``merged`` exp has a reader the jaxpr does
+    not show)."""
+    if n.primitive in EXPENSIVE:
+        return (not merged and _converges(graph, o)
+                and not low_precision_arithmetic(graph, n, o))
+    return ("reduce" not in kinds and not low_precision_arithmetic(graph, n, o)
+            and _effectively_unary(graph, n) and not _reduced_through(graph, o))
 
 
 def _converges(graph: Graph, v: int, steps: int = 24) -> bool:
