@@ -12,7 +12,10 @@
 * ``padded``: a decoder over right-padded rows (a ``bool`` padding mask argument,
   ``-1`` labels ignored), dropout on the attention probabilities drawn from a typed key
   carried in the state, a loss with a z-loss term and a metrics dict, under
-  ``optax.chain(clip_by_global_norm, adamw)`` with a schedule and a weight-decay mask.
+  ``optax.chain(clip_by_global_norm, adamw)`` with a schedule and a weight-decay mask;
+* ``trainstate``: a Flax linen decoder trained through ``flax.training.train_state``'s
+  ``TrainState`` (``apply_fn`` and ``tx`` as static fields, ``apply_gradients``), a
+  dict batch in and a metrics dict out.
 
 Example:
     >>> case = KINDS["switch"](True)
@@ -31,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax.training import train_state
 
 from bench.programs import optax_step
 from bench.unseen_programs import VOCAB, Case, accumulation_step
@@ -219,7 +223,49 @@ def padded_case(quick: bool) -> Case:
                 (None, "b, s", "b, s"), (f"b <= {b}", f"s <= {s}", "s >= 6"))
 
 
+class _LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        causal = nn.make_causal_mask(x[..., 0])
+        x = x + nn.SelfAttention(num_heads=4, deterministic=True)(nn.LayerNorm()(x), causal)
+        return x + nn.Dense(WIDTH)(nn.gelu(nn.Dense(4 * WIDTH)(nn.LayerNorm()(x))))
+
+
+class _LinenDecoder(nn.Module):
+    layers: int
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        embed = nn.Embed(VOCAB, WIDTH)
+        x = embed(tokens)
+        for _ in range(self.layers):
+            x = _LinenBlock()(x)
+        return embed.attend(x)
+
+
+def trainstate_case(quick: bool) -> Case:
+    """A linen decoder under ``TrainState.apply_gradients``, batches as dicts."""
+    layers, (b, s) = (1, (2, 16)) if quick else (3, (8, 64))
+    model = _LinenDecoder(layers)
+    params = model.init(jax.random.key(7), jnp.ones((1, 4), jnp.int32))["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                          tx=optax.adamw(1e-3))
+
+    def step(state: train_state.TrainState, batch: dict[str, jax.Array]) -> Any:
+        def loss(p: Any) -> jax.Array:
+            logits = state.apply_fn({"params": p}, batch["tokens"])
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, batch["labels"]).mean()
+        value, grads = jax.value_and_grad(loss)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": value}
+
+    tokens = _ints((b, s + 1), VOCAB)
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    return Case(step, state, (batch,), (None, {"tokens": "b, s", "labels": "b, s"}),
+                (f"b <= {b}", f"s <= {s}"))
+
+
 #: name -> builder of the program's case (``quick``: CI-sized)
 KINDS: dict[str, Callable[[bool], Case]] = {
     "batchnorm": batchnorm_case, "nested-scan": nested_scan_case, "switch": switch_case,
-    "rotary": rotary_case, "padded": padded_case}
+    "rotary": rotary_case, "padded": padded_case, "trainstate": trainstate_case}

@@ -58,7 +58,7 @@ class Case:
     step: Callable[..., Any]
     state: Any
     data: tuple[Any, ...]
-    polymorphic_shapes: tuple[str | None, ...]
+    polymorphic_shapes: tuple[Any, ...]  # per argument: a spec, None, or a pytree of them
     constraints: tuple[str, ...]
 
 
