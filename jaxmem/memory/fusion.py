@@ -95,12 +95,14 @@ def materialised(graph: Graph) -> dict[int, int]:
             if o in sunk and all(k in ("elementwise", "reduce", "control") for k in kinds):
                 owner[o] = -1
                 continue
-            duplicable = len(kinds) <= 1 or _shared_fusible(graph, n, o, kinds, o in merged)
+            duplicable = len(kinds) <= 1 or _shared_fusible(graph, n, o, kinds, o in merged,
+                                                            outputs)
             owner[o] = -1 if (fusible and duplicable) else o
     return owner
 
 
-def _shared_fusible(graph: Graph, n: Node, o: int, kinds: list[str], merged: bool) -> bool:
+def _shared_fusible(graph: Graph, n: Node, o: int, kinds: list[str], merged: bool,
+                    outputs: set[int]) -> bool:
     """Whether XLA fuses ``o``, read by several consumers of ``kinds``, into all of them.
 
     XLA CPU's reduction library reads its operand from memory: a shared value is
@@ -109,18 +111,19 @@ def _shared_fusible(graph: Graph, n: Node, o: int, kinds: list[str], merged: boo
     each bf16 op of a GELU backward apart; a ``merged`` exp has a reader the jaxpr does
     not show)."""
     if n.primitive in EXPENSIVE:
-        return (not merged and _converges(graph, o)
+        return (not merged and _converges(graph, o, outputs)
                 and not low_precision_arithmetic(graph, n, o))
     return ("reduce" not in kinds and not low_precision_arithmetic(graph, n, o)
             and _effectively_unary(graph, n) and not _reduced_through(graph, o))
 
 
-def _converges(graph: Graph, v: int, steps: int = 24) -> bool:
+def _converges(graph: Graph, v: int, outputs: set[int], steps: int = 24) -> bool:
     """Whether every path from ``v``'s readers meets in one elementwise op through
     elementwise ops only: XLA's loop fusion grown from that op takes ``v`` and all its
     readers in, duplicating nothing (a GELU backward from a rebuilt pre-activation to
-    the input gradient, where no weight gradient reads the rebuilt activation)."""
-    nodes, consumers, outputs = graph.nodes, graph.consumers, set(graph.outputs)
+    the input gradient, where no weight gradient reads the rebuilt activation).
+    ``outputs``: the graph's outputs as a set (the caller's, not rebuilt per value)."""
+    nodes, consumers = graph.nodes, graph.consumers
     front = set(consumers.get(v, ()))
     for _ in range(steps):
         first = min(front, default=None)

@@ -369,14 +369,14 @@ class _Rewrite:
                        backward[0] if backward else self.last_out)
         sources = [self.rename.get(v, v) for v in leaves] + [self.host[v] for v in reload]
         sourced = set(leaves)
-        live = [v for v in self.live if v not in sourced] or (
+        pinned = [v for v in self.live if v not in sourced] or (
             [trigger] if trigger is not None and trigger not in sourced else [])
-        barrier_in = sources + [self.rename.get(v, v) for v in live]
+        barrier_in = sources + [self.rename.get(v, v) for v in pinned]
         barrier_out = [self.new_value(v) for v in barrier_in]
         self.nodes.append(Node(len(self.nodes), "optimization_barrier", "view", tuple(barrier_in),
                                tuple(barrier_out), node.scope + "/remat",
                                operands=tuple(barrier_in)))
-        self.rename.update(zip(live, barrier_out[len(sources):], strict=True))
+        self.rename.update(zip(pinned, barrier_out[len(sources):], strict=True))
         return dict(zip(leaves + reload, barrier_out, strict=False))
 
     def replay(self, chain: list[int], local: dict[int, int]) -> None:
