@@ -94,6 +94,19 @@ def test_an_expensive_value_whose_readers_meet_in_one_op_is_fused() -> None:
     assert _owner_of_tanh(_apart, x, w) != -1
 
 
+def test_a_quotient_whose_readers_meet_stays_a_buffer() -> None:
+    # measured: XLA writes a loss backward's float32 quotient read by two selects (a bf16
+    # Llama at (8, 256): +1.1 % with it a buffer, +3.2 % fused)
+    def f(x: jax.Array, y: jax.Array, w: jax.Array) -> jax.Array:
+        q = x / y
+        return (jnp.where(x > 0, q, 0.0) + jnp.where(y > 0, q, 1.0)) @ w
+
+    graph = build_graph(jax.make_jaxpr(f)(jnp.ones((8, 16)), jnp.ones((8, 16)),
+                                          jnp.ones((16, 16))))
+    div, = (n for n in graph.nodes if n.primitive == "div")
+    assert materialised(graph)[div.outputs[0]] == div.outputs[0]
+
+
 def _lora_step(state: tuple, frozen: dict, tokens: jax.Array) -> tuple:
     """An Adam step of rank-4 adapters on the attention projections of a frozen 2-layer
     decoder (GELU MLPs, weights tied to the embedding)."""
