@@ -15,7 +15,13 @@
   ``optax.chain(clip_by_global_norm, adamw)`` with a schedule and a weight-decay mask;
 * ``trainstate``: a Flax linen decoder trained through ``flax.training.train_state``'s
   ``TrainState`` (``apply_fn`` and ``tx`` as static fields, ``apply_gradients``), a
-  dict batch in and a metrics dict out.
+  dict batch in and a metrics dict out;
+* ``gqa``: grouped-query attention (key/value heads shared through ``jnp.repeat``,
+  ``jax.nn.dot_product_attention``), bias-free, under Adam;
+* ``custom-vjp``: an RMSNorm with a hand-written ``jax.custom_vjp`` backward and a
+  gradient-clipping identity on the attention output, under Adam;
+* ``multisteps``: gradient accumulation by the optimizer
+  (``optax.MultiSteps(adam, every_k_schedule=2)``: a ``cond`` on its step count).
 
 Example:
     >>> case = KINDS["switch"](True)
@@ -265,7 +271,85 @@ def trainstate_case(quick: bool) -> Case:
                 (f"b <= {b}", f"s <= {s}"))
 
 
+def _gqa_block(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    b, s, _ = x.shape
+    h = x - x.mean(-1, keepdims=True)
+    q = (h @ p["qkv"][:, :WIDTH]).reshape(b, s, 4, WIDTH // 4)
+    k, v = ((h @ w).reshape(b, s, 2, WIDTH // 4)
+            for w in (p["qkv"][:, WIDTH:3 * WIDTH // 2], p["qkv"][:, 2 * WIDTH:5 * WIDTH // 2]))
+    k, v = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+    heads = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    x = x + heads.reshape(b, s, WIDTH) @ p["o"]
+    return x + jax.nn.gelu(x @ p["up"]) @ p["down"]
+
+
+@jax.custom_vjp
+def _rms_norm(x: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6)
+
+
+def _rms_norm_fwd(x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    r = jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6)
+    return x * r, (x, r)
+
+
+def _rms_norm_bwd(res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array]:
+    x, r = res
+    n = x * r
+    return (r * (g - n * (g * n).mean(-1, keepdims=True)),)
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+@jax.custom_vjp
+def _clip_gradient(x: jax.Array) -> jax.Array:
+    return x
+
+
+_clip_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1.0, 1.0),))
+
+
+def _custom_vjp_block(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    s = x.shape[1]
+    q, k, v = jnp.split(_rms_norm(x) @ p["qkv"], 3, -1)
+    scores = jnp.einsum("bqd,bkd->bqk", q, k) / np.sqrt(WIDTH)
+    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e9)
+    x = x + _clip_gradient(jax.nn.softmax(scores, -1) @ v @ p["o"])
+    return x + jax.nn.gelu(_rms_norm(x) @ p["up"]) @ p["down"]
+
+
+def _decoder_case(quick: bool, seed: int, block: Callable[..., jax.Array],
+                  opt: optax.GradientTransformation) -> Case:
+    params, (b, s) = _decoder(quick, seed)
+
+    def loss(p: Any, tokens: jax.Array) -> jax.Array:
+        x = p["emb"][tokens]
+        for lp in p["layers"]:
+            x = block(x, lp)
+        return _next_token_loss(x, p["emb"], tokens)
+
+    return Case(optax_step(loss, opt), (params, opt.init(params)), (_ints((b, s), VOCAB),),
+                (None, "b, s"), (f"b <= {b}", f"s <= {s}"))
+
+
+def gqa_case(quick: bool) -> Case:
+    """Grouped-query attention: 4 query heads over 2 repeated key/value heads."""
+    return _decoder_case(quick, 8, _gqa_block, optax.adam(1e-3))
+
+
+def custom_vjp_case(quick: bool) -> Case:
+    """Hand-written backward passes: an RMSNorm's and a clipping identity's."""
+    return _decoder_case(quick, 9, _custom_vjp_block, optax.adam(1e-3))
+
+
+def multisteps_case(quick: bool) -> Case:
+    """Accumulation inside the optimizer: an update every second step."""
+    return _decoder_case(quick, 10, _block, optax.MultiSteps(optax.adam(1e-3), 2))
+
+
 #: name -> builder of the program's case (``quick``: CI-sized)
 KINDS: dict[str, Callable[[bool], Case]] = {
     "batchnorm": batchnorm_case, "nested-scan": nested_scan_case, "switch": switch_case,
-    "rotary": rotary_case, "padded": padded_case, "trainstate": trainstate_case}
+    "rotary": rotary_case, "padded": padded_case, "trainstate": trainstate_case,
+    "gqa": gqa_case, "custom-vjp": custom_vjp_case, "multisteps": multisteps_case}
