@@ -172,22 +172,16 @@ def _attend(probs: jax.Array, v: jax.Array, x: jax.Array, p: dict[str, jax.Array
     return x + jax.nn.gelu(x @ p["up"]) @ p["down"]
 
 
+def _rotary_block(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    causal = jnp.tril(jnp.ones((x.shape[1],) * 2, bool))
+    q, k, v = _heads(x, p)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", _rotate(q), _rotate(k)) / 4.0
+    return _attend(jax.nn.softmax(jnp.where(causal, scores, -1e9), -1), v, x, p)
+
+
 def rotary_case(quick: bool) -> Case:
     """Rotary attention with complex-valued frequencies."""
-    params, (b, s) = _decoder(quick, 4)
-    opt = optax.adam(1e-3)
-
-    def loss(p: Any, tokens: jax.Array) -> jax.Array:
-        x = p["emb"][tokens]
-        causal = jnp.tril(jnp.ones((tokens.shape[1],) * 2, bool))
-        for lp in p["layers"]:
-            q, k, v = _heads(x, lp)
-            scores = jnp.einsum("bqhd,bkhd->bhqk", _rotate(q), _rotate(k)) / 4.0
-            x = _attend(jax.nn.softmax(jnp.where(causal, scores, -1e9), -1), v, x, lp)
-        return _next_token_loss(x, p["emb"], tokens)
-
-    return Case(optax_step(loss, opt), (params, opt.init(params)), (_ints((b, s), VOCAB),),
-                (None, "b, s"), (f"b <= {b}", f"s <= {s}"))
+    return _decoder_case(quick, 4, _rotary_block, optax.adam(1e-3))
 
 
 def padded_case(quick: bool) -> Case:
