@@ -149,3 +149,20 @@ def test_a_users_checkpoint_rerun_is_planned_on_top_of():
     rerun = [r for r in find_residuals(graph) if "rematted_computation" in r.group]
     assert rerun and all(not graph.nodes[r.producer].is_backward for r in rerun)
     deepest_level_lowers_and_matches(f, args, p.step)
+
+
+def test_a_value_read_where_the_backward_pass_starts_is_no_residual():
+    # The last layer's output is read by the loss's backward before any other backward
+    # value exists: a rebuild would sit where it dies, pinned to nothing XLA keeps.
+    def loss(ws, x):
+        h = x
+        for w in ws:
+            h = h + jnp.tanh(h @ w)
+        return jnp.mean(h ** 2)
+
+    args = ([jnp.ones((32, 32))] * 2, jnp.ones((16, 32)))
+    graph = build_graph(jax.make_jaxpr(jax.grad(loss))(*args))
+    adds = [n.outputs[0] for n in graph.nodes if n.primitive == "add" and not n.is_backward]
+    residuals = {r.value for r in find_residuals(graph)}
+    assert adds[0] in residuals  # the first layer's output, read by the second's gradient
+    assert adds[-1] not in residuals

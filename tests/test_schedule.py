@@ -12,7 +12,8 @@ from bench.residual_mlps import residual_mlp
 from hlo_passes.timeline import buffer_timeline
 from jaxmem.graph import build_graph
 from jaxmem.memory import memory_model
-from jaxmem.memory.fusion import dot_copies, materialised, used_nodes
+from jaxmem.memory.copies import dot_copies
+from jaxmem.memory.fusion import materialised, used_nodes
 from jaxmem.memory.liveness import liveness
 from jaxmem.memory.precision import converted_reads
 from jaxmem.memory.schedule import xla_order

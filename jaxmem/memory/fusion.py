@@ -27,6 +27,7 @@ from typing import NamedTuple
 import sympy
 
 from jaxmem.graph import EXPENSIVE, Graph, Node
+from jaxmem.memory.copies import copied_operands, copy_start, dot_copies, head_projection
 from jaxmem.memory.fillers import added_updates, sunk_broadcasts
 from jaxmem.memory.library import element_count, pooling_fusions
 from jaxmem.memory.readers import erfc_shared_exps, low_precision_arithmetic
@@ -84,11 +85,12 @@ def materialised(graph: Graph) -> dict[int, int]:
                               and o not in outputs and o not in pool_operands):
                 owner[o] = -1  # (pooled: computed inside a CPU library pooling fusion)
                 continue
-            if n.kind != "elementwise" or o in outputs or o in pool_operands:
-                owner[o] = o  # (a CPU library pooling fusion reads its operands from memory)
+            if o not in outputs and _folded_into_dots(graph, n, o, owner):
+                owner[o] = -1
                 continue
-            if n.primitive == "transpose" and _only_dots(graph, o):
-                owner[o] = -1  # folded into the dots' dimension numbers (TransposeFolding)
+            if (n.kind != "elementwise" and not _outer_product(graph, n)
+                    or o in outputs or o in pool_operands):
+                owner[o] = o  # (a CPU library pooling fusion reads its operands from memory)
                 continue
             kinds = real_consumer_kinds(o) + (["elementwise"] if o in merged else [])
             fusible = all(k in ("elementwise", "reduce") for k in kinds)
@@ -96,26 +98,30 @@ def materialised(graph: Graph) -> dict[int, int]:
                 owner[o] = -1
                 continue
             duplicable = len(kinds) <= 1 or _shared_fusible(graph, n, o, kinds, o in merged,
-                                                            outputs)
+                                                            outputs, owner)
             owner[o] = -1 if (fusible and duplicable) else o
     return owner
 
 
 def _shared_fusible(graph: Graph, n: Node, o: int, kinds: list[str], merged: bool,
-                    outputs: set[int]) -> bool:
+                    outputs: set[int], owner: Mapping[int, int]) -> bool:
     """Whether XLA fuses ``o``, read by several consumers of ``kinds``, into all of them.
 
     XLA CPU's reduction library reads its operand from memory: a shared value is
     materialised (LayerNorm's x - mean, a bf16 convert; the costly walk last). An
     expensive one is not duplicated, but fused where its readers meet (float32: XLA writes
     each bf16 op of a GELU backward apart; a ``merged`` exp has a reader the jaxpr does
-    not show; a ``div`` is left out, measured: a bf16 Llama loss backward's float32
-    ``(b, s)`` quotient read by two selects moved level 0 from +1.1 to +3.2 %)."""
+    not show; a ``div`` is left out), unless what it feeds is read in place and again
+    through a weight gradient's copy (:func:`_copy_readers`). A cheap one reading several
+    buffers is fused where its readers meet only where its result reaches such a copy."""
     if n.primitive in EXPENSIVE:
         return (not merged and n.primitive != "div" and _converges(graph, o, outputs)
-                and not low_precision_arithmetic(graph, n, o))
-    return ("reduce" not in kinds and not low_precision_arithmetic(graph, n, o)
-            and _effectively_unary(graph, n) and not _reduced_through(graph, o))
+                and not low_precision_arithmetic(graph, n, o)
+                and _copy_readers(graph, o, owner) < 2)
+    if "reduce" in kinds or low_precision_arithmetic(graph, n, o) or _reduced_through(graph, o):
+        return False
+    return _effectively_unary(graph, n) or (_converges(graph, o, outputs)
+                                            and _copy_readers(graph, o, owner) > 0)
 
 
 def _converges(graph: Graph, v: int, outputs: set[int], steps: int = 24) -> bool:
@@ -138,6 +144,37 @@ def _converges(graph: Graph, v: int, outputs: set[int], steps: int = 24) -> bool
         front.remove(first)
         front.update(consumers[out])
     return False
+
+
+def _copy_readers(graph: Graph, v: int, owner: Mapping[int, int], steps: int = 48) -> int:
+    """How many dots read a value computed from ``v`` through elementwise ops, where one
+    of them reads it through a transposed copy and no reduction reads it (0 otherwise)."""
+    nodes, consumers = graph.nodes, graph.consumers
+    front, seen = [v], {v}
+    while front and steps > 0:
+        steps -= 1
+        u = front.pop()
+        readers = consumers.get(u, ())
+        dots = [c for c in readers if nodes[c].primitive == "dot_general"]
+        if (any(u in copied_operands(graph, nodes[c], owner) for c in dots)
+                and not any(nodes[c].kind == "reduce" for c in readers)):
+            return len(dots)
+        for c in readers:
+            if nodes[c].kind == "elementwise" and len(nodes[c].outputs) == 1:
+                o = nodes[c].outputs[0]
+                if o not in seen:
+                    seen.add(o)
+                    front.append(o)
+    return 0
+
+
+def _outer_product(graph: Graph, node: Node) -> bool:
+    """A dot whose contracting dims all have size 1: XLA makes it a product of broadcasts."""
+    if node.primitive != "dot_general" or len(node.inputs) != 2:
+        return False
+    (lc, _), _ = dict(node.params)["dimension_numbers"]
+    shape = graph.values[node.inputs[0]].shape
+    return bool(lc) and all(shape[d] == 1 for d in lc)
 
 
 def _reduced_through(graph: Graph, v: int, steps: int = 3) -> bool:
@@ -197,6 +234,34 @@ def used_nodes(graph: Graph) -> list[bool]:
     return used
 
 
+def _folded_into_dots(graph: Graph, n: Node, o: int, owner: Mapping[int, int]) -> bool:
+    """A transpose only dots read (folded into their dimension numbers: TransposeFolding),
+    or a broadcast or a split computed inside the transposed copies its dots read."""
+    if n.primitive == "transpose":
+        return _only_dots(graph, o)
+    if n.primitive == "split":  # (where rotary embeddings read q and k, the split stays)
+        return all(_computed_into_copies(graph, s, owner) for s in n.outputs)
+    return n.primitive == "broadcast_in_dim" and _computed_into_copies(graph, o, owner)
+
+
+def _computed_into_copies(graph: Graph, v: int, owner: Mapping[int, int]) -> bool:
+    """Whether ``v`` (a broadcast repeating heads: ``jnp.repeat`` in grouped-query
+    attention; a split of a fused q/k/v projection) is reshaped into heads only dots
+    read, each through a transposed copy: XLA computes ``v`` inside those copies."""
+    nodes, consumers = graph.nodes, graph.consumers
+    reshapes = consumers.get(v, ())
+    if not reshapes or any(nodes[r].primitive != "reshape" or head_projection(graph, nodes[r])
+                           is None for r in reshapes):
+        return False
+    for r in reshapes:
+        o = nodes[r].outputs[0]
+        dots = consumers.get(o, ())
+        if not dots or any(nodes[d].primitive != "dot_general"
+                           or o not in copied_operands(graph, nodes[d], owner) for d in dots):
+            return False
+    return True
+
+
 def _only_dots(graph: Graph, v: int) -> bool:
     users = graph.consumers.get(v, ())
     return bool(users) and all(graph.nodes[u].primitive == "dot_general" for u in users)
@@ -222,59 +287,6 @@ def _effectively_unary(graph: Graph, node: Node) -> bool:
         if element_count(graph, v) == size:
             full += 1
     return full <= 1
-
-
-def _canonical_dot_operands(dims: tuple, ranks: tuple[int, int]) -> tuple[bool, bool]:
-    """Whether XLA's CPU dot can read each operand as laid out (row-major).
-
-    XLA canonicalises every dot to ``[batch, M, K] x [batch, K, N]`` with
-    row-major operands (``DotDecomposer``, CPU layout assignment); the CPU
-    library also takes the right operand as ``[batch, N, K]`` when N is one dim. An
-    operand whose batch dims are not leading, or whose contracting dims are elsewhere,
-    is first copied into that order (measured: ``x @ x.T`` needs no copy, the weight
-    gradient ``x.T @ dy`` copies ``x``).
-    """
-    (lc, rc), (lb, rb) = dims
-    nb = len(lb)
-    lhs_ok = (tuple(lb) == tuple(range(nb))
-              and tuple(lc) == tuple(range(ranks[0] - len(lc), ranks[0])))
-    # The right operand may also come as [batch, N, K] (the library takes it transposed),
-    # but only with one free dim N: GQA's probabilities [b, k, g, q, s], read contracting
-    # s, are copied to [batch, K, N] first (measured, jax 0.10.2).
-    nk = (tuple(range(ranks[1] - len(rc), ranks[1])),) if ranks[1] - nb - len(rc) == 1 else ()
-    rhs_ok = (tuple(rb) == tuple(range(nb))
-              and tuple(rc) in (tuple(range(nb, nb + len(rc))), *nk))
-    return lhs_ok, rhs_ok
-
-
-def dot_copies(graph: Graph, owner: dict[int, int], used: Sequence[bool] | None = None
-               ) -> list[tuple[int, int]]:
-    """The ``(dot node, operand)`` pairs XLA reads through a transposed copy
-    (:func:`copied_operands`), dots in program order; a dead dot (``used``: XLA removes
-    it) reads none."""
-    return [(ni, v) for ni, node in enumerate(graph.nodes)
-            if node.primitive == "dot_general" and (used is None or used[ni])
-            for v in copied_operands(graph, node, owner)]
-
-
-def copied_operands(graph: Graph, node: Node, owner: Mapping[int, int]) -> list[int]:
-    """The operands of dot ``node`` XLA copies into the layout it reads (see
-    ``_canonical_dot_operands``), each seen through a transpose folded into the dot.
-    A matrix (two dims once the size-1 ones go) is read transposed in place: an MLP's
-    ``[b, d]`` weight-gradient operands get no copy (measured, jax 0.10.2), where a
-    ``[b, s, d]`` one, whose two contracting dims XLA merges first, does."""
-    params = dict(node.params)
-    if "dimension_numbers" not in params or len(node.inputs) != 2:
-        return []
-    (lc, rc), (lb, rb) = params["dimension_numbers"]
-    lhs, lc, lb = _through_transpose(graph, owner, node.inputs[0], lc, lb)
-    rhs, rc, rb = _through_transpose(graph, owner, node.inputs[1], rc, rb)
-    vals = [graph.values[lhs], graph.values[rhs]]
-    (lc, lb, lr), (rc, rb, rr) = (_without_unit_dims(vals[0].shape, lc, lb),
-                                  _without_unit_dims(vals[1].shape, rc, rb))
-    ok = _canonical_dot_operands(((lc, rc), (lb, rb)), (lr, rr))
-    return [v.id for v, fine, rank in zip(vals, ok, (lr, rr), strict=True)
-            if not fine and rank >= 3]
 
 
 def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
@@ -309,62 +321,3 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
     buffer = {v: owner.get(v, v) for v in spans}
     return [Extra(v, size(v if buffer[v] == -1 else buffer[v]), a, b, "transposed copy")
             for v, (a, b) in spans.items()]
-
-
-def _without_unit_dims(shape: tuple, contracting: tuple, batch: tuple
-                       ) -> tuple[tuple, tuple, int]:
-    """A dot operand's dims with its size-1 dims dropped (XLA bitcasts them away):
-    Flax NNX's scanned attention has probabilities ``[1, b, h, s, s]``, whose batch
-    dims are canonical once the leading 1 goes (XLA copies none of them for ``dV``)."""
-    keep = {d: k for k, d in enumerate(i for i, n in enumerate(shape) if n != 1)}
-    return (tuple(keep[d] for d in contracting if d in keep),
-            tuple(keep[d] for d in batch if d in keep), len(keep))
-
-
-def copy_start(graph: Graph, pos: dict[int, int], v: int, first_dot: int) -> int:
-    """Where XLA makes the transposed copy of dot operand ``v`` (first read at ``first_dot``).
-
-    XLA's breadth-first CPU scheduler runs the copy as soon as its operand is
-    written, not at the dot, which waits in the queue behind it: the cotangent
-    copies of a Llama's MLP weight gradients live through its backward MLP (llama
-    2x256 at (4, 128), level 0: -5.2 % against XLA with the copy at the dot, -3.3 %
-    from its operand). A slice (or a gather at constant indices) XLA fuses into the
-    copy, made from the sliced source at the dot; a view (an optimization barrier's
-    output) keeps the copy at the dot as before.
-    """
-    prod = graph.producers.get(v)
-    if prod is None:
-        return 0
-    if prod not in pos:
-        return first_dot
-    node = graph.nodes[prod]
-    if node.primitive == "reshape":
-        src = graph.producers.get(node.inputs[0]) if is_head_split(graph, node) else None
-        return first_dot if src not in pos else max(pos[src], pos[prod]) + 1
-    if node.kind not in ("elementwise", "opaque") or node.primitive in ("gather", "slice"):
-        return first_dot
-    return pos[prod] + 1
-
-
-def is_head_split(graph: Graph, node: Node) -> bool:
-    """Whether ``node`` reshapes a dot's output (attention heads split off a projection):
-    XLA copies the projection into each layout its dots read as soon as it is written
-    (bench.unseen's gradient accumulation: the q/k/v projections then die; level 2 +15.0
-    -> +3.5 %). Heads made by an elementwise op (a Llama's rotary ``add``) are not."""
-    if node.primitive != "reshape" or not node.inputs:
-        return False
-    src = graph.producers.get(node.inputs[0])
-    return src is not None and graph.nodes[src].primitive == "dot_general"
-
-
-def _through_transpose(graph: Graph, owner: Mapping[int, int], v: int, contracting: tuple,
-                       batch: tuple) -> tuple[int, tuple, tuple]:
-    """A dot operand and its dims, seen through a transpose folded into the dot."""
-    p = graph.producers.get(v)
-    if p is None or owner.get(v, v) != -1 or graph.nodes[p].primitive != "transpose":
-        return v, tuple(contracting), tuple(batch)
-    perm = dict(graph.nodes[p].params).get("permutation")
-    if perm is None or not graph.nodes[p].inputs:
-        return v, tuple(contracting), tuple(batch)
-    return (graph.nodes[p].inputs[0], tuple(perm[i] for i in contracting),
-            tuple(perm[i] for i in batch))

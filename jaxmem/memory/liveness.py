@@ -23,12 +23,12 @@ import sympy
 
 from jaxmem.graph import EXPENSIVE, Graph
 from jaxmem.memory.columns import Library, library_extras, library_fusions, library_owner
+from jaxmem.memory.copies import head_projection, is_head_split
 from jaxmem.memory.epilogues import epilogue_broadcasts
 from jaxmem.memory.fillers import carried, feeds_loop, stacked_outputs
 from jaxmem.memory.fusion import (
     Extra,
     element_count,
-    is_head_split,
     transposed_copies,
     used_nodes,
 )
@@ -104,7 +104,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
                                                 backend)
     convs = conv_copies(graph, order, size)
     for x in (*copies, *convs):  # a copied operand is read when its copy is made
-        for v in _copy_reads(graph, x, base, srcs):
+        for v in _copy_reads(graph, x, base, srcs, owner):
             last_use[v] = max(last_use.get(v, x.start), x.start)
     outputs = _output_buffers(graph, order, owner, first_def)
     reuse_end, in_output, taken = _shared_buffers(graph, order, owner, srcs, last_use,
@@ -137,7 +137,7 @@ def _sizes(graph: Graph, owner: dict[int, int], used: Sequence[bool], backend: s
 
 
 def _copy_reads(graph: Graph, x: Extra, base: dict[int, int],
-                srcs: Callable[[int], frozenset[int]]) -> frozenset[int]:
+                srcs: Callable[[int], frozenset[int]], owner: dict[int, int]) -> frozenset[int]:
     """The buffers copy ``x`` (of a dot's or a convolution's operand) reads: its
     operand's (``base``: a head split's projection), or, where XLA duplicates the
     operand's computation into the copy, that computation's sources, which then live
@@ -156,9 +156,13 @@ def _copy_reads(graph: Graph, x: Extra, base: dict[int, int],
         return frozenset((v,))
     sources = frozenset().union(*[srcs(i) for i in node.inputs])
     size = element_count(graph, v)
-    if (sum(element_count(graph, s) == size for s in sources) > 1
-            and (graph.values[v].dtype != "float32"
-                 or len(distinct_full_operands(graph, node.inputs, size)) > 1)):
+    if sum(element_count(graph, s) == size for s in sources) <= 1:
+        return sources
+    if graph.values[v].dtype != "float32":
+        return frozenset((v,))
+    direct = any(owner.get(i, i) != -1 for i in node.inputs if element_count(graph, i) == size)
+    if ((direct or any(graph.nodes[c].kind == "reduce" for c in graph.consumers.get(v, ())))
+            and len(distinct_full_operands(graph, node.inputs, size)) > 1):
         return frozenset((v,))
     return sources
 
@@ -174,8 +178,8 @@ def _copied_early(graph: Graph, order: Sequence[int], owner: dict[int, int],
     early = {x.value for x in copies
              if x.value in prods and x.start == pos[prods[x.value]] + 1
              and graph.nodes[prods[x.value]].primitive != "concatenate"}
-    base = {v: graph.nodes[prods[v]].inputs[0] for v in early
-            if is_head_split(graph, graph.nodes[prods[v]])}
+    heads = {v: head_projection(graph, graph.nodes[prods[v]]) for v in early}
+    base = {v: h for v, h in heads.items() if h is not None}
     return base, _only_copied(graph, owner, used,
                               {(ni, base.get(v, v)) for ni, v in copied if v in early})
 
@@ -224,7 +228,8 @@ def _readers(graph: Graph, owner: dict[int, int], used: Sequence[bool], s: int) 
     while frontier:
         for c in consumers.get(frontier.pop(), ()):
             n = nodes[c]
-            if used[c] and not is_head_split(graph, n):  # its readers read the dot's
+            fused = bool(n.outputs) and all(owner.get(o, o) == -1 for o in n.outputs)
+            if used[c] and not is_head_split(graph, n) and not fused:  # (heads: read the dot's)
                 found.add(c)
             for o in n.outputs:  # a view of ``s``, or a value computed from it in place
                 if o not in seen and owner.get(o, o) in (s, -1):

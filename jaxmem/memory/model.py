@@ -47,8 +47,9 @@ from jaxmem.fastexpr import pairs_at
 from jaxmem.graph import Graph
 from jaxmem.memory.assign import assignment_peak
 from jaxmem.memory.columns import library_fusions, library_owner
+from jaxmem.memory.copies import dot_copies
 from jaxmem.memory.frontier import candidate_points, max_expr, to_expr
-from jaxmem.memory.fusion import dot_copies, used_nodes
+from jaxmem.memory.fusion import used_nodes
 from jaxmem.memory.liveness import Buffer, liveness
 from jaxmem.memory.points import live_table
 from jaxmem.memory.schedule import xla_order

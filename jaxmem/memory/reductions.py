@@ -48,7 +48,8 @@ import sympy
 
 from jaxmem.graph import Graph, Node
 from jaxmem.memory.constants import ConstantUse, shared_constants
-from jaxmem.memory.fusion import Extra, copied_operands
+from jaxmem.memory.copies import copied_operands
+from jaxmem.memory.fusion import Extra
 from jaxmem.memory.library import LIBRARY_ELEMENTWISE, YNN_MIN_ROWS, below_rows, element_count
 
 #: Reductions that start a library fusion (``IsReduceOpSupportedByYnn``: add, max, min).

@@ -35,7 +35,8 @@ from collections.abc import Sequence
 
 from jaxmem.graph import Graph
 from jaxmem.memory.columns import library_fusions, library_owner
-from jaxmem.memory.fusion import dot_copies, used_nodes
+from jaxmem.memory.copies import dot_copies
+from jaxmem.memory.fusion import used_nodes
 from jaxmem.memory.precision import converted_reads
 from jaxmem.memory.scatters import added_scatter
 from jaxmem.memory.windows import conv_copy_pairs

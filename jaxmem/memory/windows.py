@@ -38,7 +38,8 @@ from collections.abc import Callable, Sequence
 import sympy
 
 from jaxmem.graph import Graph
-from jaxmem.memory.fusion import Extra, copy_start
+from jaxmem.memory.copies import copy_start
+from jaxmem.memory.fusion import Extra
 from jaxmem.memory.library import (
     constant_operands,
     constant_readers,

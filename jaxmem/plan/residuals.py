@@ -237,10 +237,11 @@ def find_residuals(graph: Graph) -> tuple[Residual, ...]:
                     candidates[s] = min(candidates[s], n.index)
                     aliases.setdefault(s, {})[v] = None
     kept = set(candidates) | inputs | {v for v, _ in graph.consts}
+    began = _backward_start(graph)
     out = []
     for v, first in sorted(candidates.items(), key=lambda kv: producers[kv[0]]):
-        if _symbolic_only(graph, v):
-            continue  # a few bytes, and no group a concrete trace could find
+        if _symbolic_only(graph, v) or first <= began:
+            continue  # a few bytes; or read where the backward pass starts (nothing to free)
         al = tuple(a for a in aliases.get(v, {}) if a != v)
         if any(recompute_chain(graph, a, kept) is None for a in al):
             continue  # its aliases could not be re-derived even from the residual itself
@@ -254,6 +255,17 @@ def find_residuals(graph: Graph) -> tuple[Residual, ...]:
                             graph.values[v].nbytes, first, chain, flops, al,
                             label="" if label == nodes[p].primitive else label))
     return tuple(_roles(graph, out))
+
+
+def _backward_start(graph: Graph) -> int:
+    """The first backward node that makes a value not of dims and constants alone (the
+    loss's cotangent is one of those). A residual read there or before would be rebuilt
+    where it dies, with no backward value made yet to pin the rebuild after the forward
+    pass (a rebuild of a decoder's last hidden state, read by the loss's backward, was
+    pinned to the forward loss; XLA dropped the unread pin)."""
+    constant = graph.constant
+    return next((n.index for n in graph.nodes if n.is_backward
+                 and any(o not in constant for o in n.outputs)), len(graph.nodes))
 
 
 def recompute_chain(graph: Graph, value: int, leaves: set[int], max_heavy: int | None = None,

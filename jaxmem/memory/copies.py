@@ -1,0 +1,155 @@
+"""Which dot operands XLA's CPU backend copies into another layout, and when.
+
+XLA canonicalises every dot to row-major ``[batch, M, K] x [batch, K, N]``; an operand
+laid out otherwise is copied first (:func:`copied_operands`: a weight gradient's
+``x.T @ dy`` copies ``x``), as soon as the operand is written (:func:`copy_start`).
+Attention heads split off a projection are copied from the projection itself
+(:func:`head_projection`). :func:`jaxmem.memory.fusion.transposed_copies` turns these
+into buffers.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem.graph import build_graph
+    >>> g = build_graph(jax.make_jaxpr(lambda x, w: jnp.einsum("bsd,bsf->df", x, w))(
+    ...     jnp.ones((2, 4, 8)), jnp.ones((2, 4, 16))))
+    >>> dot, = (n for n in g.nodes if n.primitive == "dot_general")
+    >>> copied_operands(g, dot, {}) == [dot.inputs[0]]  # x.T @ dy: x is copied
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from jaxmem.graph import Graph, Node
+
+
+def _canonical_dot_operands(dims: tuple, ranks: tuple[int, int]) -> tuple[bool, bool]:
+    """Whether XLA's CPU dot can read each operand as laid out (row-major).
+
+    XLA canonicalises every dot to ``[batch, M, K] x [batch, K, N]`` with
+    row-major operands (``DotDecomposer``, CPU layout assignment); the CPU
+    library also takes the right operand as ``[batch, N, K]`` when N is one dim. An
+    operand whose batch dims are not leading, or whose contracting dims are elsewhere,
+    is first copied into that order (measured: ``x @ x.T`` needs no copy, the weight
+    gradient ``x.T @ dy`` copies ``x``).
+    """
+    (lc, rc), (lb, rb) = dims
+    nb = len(lb)
+    lhs_ok = (tuple(lb) == tuple(range(nb))
+              and tuple(lc) == tuple(range(ranks[0] - len(lc), ranks[0])))
+    # The right operand may also come as [batch, N, K] (the library takes it transposed),
+    # but only with one free dim N: GQA's probabilities [b, k, g, q, s], read contracting
+    # s, are copied to [batch, K, N] first (measured, jax 0.10.2).
+    nk = (tuple(range(ranks[1] - len(rc), ranks[1])),) if ranks[1] - nb - len(rc) == 1 else ()
+    rhs_ok = (tuple(rb) == tuple(range(nb))
+              and tuple(rc) in (tuple(range(nb, nb + len(rc))), *nk))
+    return lhs_ok, rhs_ok
+
+
+def dot_copies(graph: Graph, owner: dict[int, int], used: Sequence[bool] | None = None
+               ) -> list[tuple[int, int]]:
+    """The ``(dot node, operand)`` pairs XLA reads through a transposed copy
+    (:func:`copied_operands`), dots in program order; a dead dot (``used``: XLA removes
+    it) reads none."""
+    return [(ni, v) for ni, node in enumerate(graph.nodes)
+            if node.primitive == "dot_general" and (used is None or used[ni])
+            for v in copied_operands(graph, node, owner)]
+
+
+def copied_operands(graph: Graph, node: Node, owner: Mapping[int, int]) -> list[int]:
+    """The operands of dot ``node`` XLA copies into the layout it reads (see
+    ``_canonical_dot_operands``), each seen through a transpose folded into the dot.
+    A matrix (two dims once the size-1 ones go) is read transposed in place: an MLP's
+    ``[b, d]`` weight-gradient operands get no copy (measured, jax 0.10.2), where a
+    ``[b, s, d]`` one, whose two contracting dims XLA merges first, does."""
+    params = dict(node.params)
+    if "dimension_numbers" not in params or len(node.inputs) != 2:
+        return []
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    lhs, lc, lb = _through_transpose(graph, owner, node.inputs[0], lc, lb)
+    rhs, rc, rb = _through_transpose(graph, owner, node.inputs[1], rc, rb)
+    vals = [graph.values[lhs], graph.values[rhs]]
+    (lc, lb, lr), (rc, rb, rr) = (_without_unit_dims(vals[0].shape, lc, lb),
+                                  _without_unit_dims(vals[1].shape, rc, rb))
+    ok = _canonical_dot_operands(((lc, rc), (lb, rb)), (lr, rr))
+    return [v.id for v, fine, rank in zip(vals, ok, (lr, rr), strict=True)
+            if not fine and rank >= 3]
+
+
+def _without_unit_dims(shape: tuple, contracting: tuple, batch: tuple
+                       ) -> tuple[tuple, tuple, int]:
+    """A dot operand's dims with its size-1 dims dropped (XLA bitcasts them away):
+    Flax NNX's scanned attention has probabilities ``[1, b, h, s, s]``, whose batch
+    dims are canonical once the leading 1 goes (XLA copies none of them for ``dV``)."""
+    keep = {d: k for k, d in enumerate(i for i, n in enumerate(shape) if n != 1)}
+    return (tuple(keep[d] for d in contracting if d in keep),
+            tuple(keep[d] for d in batch if d in keep), len(keep))
+
+
+def copy_start(graph: Graph, pos: dict[int, int], v: int, first_dot: int) -> int:
+    """Where XLA makes the transposed copy of dot operand ``v`` (first read at ``first_dot``).
+
+    XLA's breadth-first CPU scheduler runs the copy as soon as its operand is
+    written, not at the dot, which waits in the queue behind it: the cotangent
+    copies of a Llama's MLP weight gradients live through its backward MLP (llama
+    2x256 at (4, 128), level 0: -5.2 % against XLA with the copy at the dot, -3.3 %
+    from its operand). A slice (or a gather at constant indices) XLA fuses into the
+    copy, made from the sliced source at the dot; a view (an optimization barrier's
+    output) keeps the copy at the dot as before.
+    """
+    prod = graph.producers.get(v)
+    if prod is None:
+        return 0
+    if prod not in pos:
+        return first_dot
+    node = graph.nodes[prod]
+    if node.primitive == "reshape":
+        head = head_projection(graph, node)
+        src = graph.producers.get(head) if head is not None else None
+        return first_dot if src not in pos else max(pos[src], pos[prod]) + 1
+    if node.kind not in ("elementwise", "opaque") or node.primitive in ("gather", "slice"):
+        return first_dot
+    return pos[prod] + 1
+
+
+def is_head_split(graph: Graph, node: Node) -> bool:
+    """Whether ``node`` reshapes a dot's output (attention heads split off a projection):
+    XLA copies the projection into each layout its dots read as soon as it is written
+    (bench.unseen's gradient accumulation: the q/k/v projections then die; level 2 +15.0
+    -> +3.5 %). Heads made by an elementwise op (a Llama's rotary ``add``) are not."""
+    return head_projection(graph, node) is not None
+
+
+def head_projection(graph: Graph, node: Node) -> int | None:
+    """The dot output reshape ``node`` splits into heads (:func:`is_head_split`), through
+    further reshapes, a ``split`` of a fused q/k/v projection and, where ``jnp.repeat``
+    shares key/value heads among query heads (grouped-query attention), the broadcast;
+    XLA fuses the split and the broadcast into the copies. Else None."""
+    if node.primitive != "reshape" or not node.inputs:
+        return None
+    v = node.inputs[0]
+    for _ in range(4):
+        src = graph.producers.get(v)
+        if src is None:
+            return None
+        prim = graph.nodes[src].primitive
+        if prim == "dot_general":
+            return v
+        if prim not in ("reshape", "broadcast_in_dim", "split"):
+            return None
+        v = graph.nodes[src].inputs[0]
+    return None
+
+
+def _through_transpose(graph: Graph, owner: Mapping[int, int], v: int, contracting: tuple,
+                       batch: tuple) -> tuple[int, tuple, tuple]:
+    """A dot operand and its dims, seen through a transpose folded into the dot."""
+    p = graph.producers.get(v)
+    if p is None or owner.get(v, v) != -1 or graph.nodes[p].primitive != "transpose":
+        return v, tuple(contracting), tuple(batch)
+    perm = dict(graph.nodes[p].params).get("permutation")
+    if perm is None or not graph.nodes[p].inputs:
+        return v, tuple(contracting), tuple(batch)
+    return (graph.nodes[p].inputs[0], tuple(perm[i] for i in contracting),
+            tuple(perm[i] for i in batch))
