@@ -25,7 +25,7 @@ Example:
     >>> g = build_graph(jax.make_jaxpr(step)(jnp.ones((8, 8)), jnp.ones((4, 2, 8))))
     >>> len(body_scans(g))
     1
-    >>> plan = BodyPlan((BodyRule(("<top>:tanh(dot_general)",)),))
+    >>> plan = BodyPlan((BodyRule(("<top>:tanh",)),))
     >>> scan = lambda g: [n for n in g.nodes if n.primitive == "scan"][0]
     >>> len(scan(apply_body_plan(g, plan)).subgraphs[0].nodes) > len(scan(g).subgraphs[0].nodes)
     True

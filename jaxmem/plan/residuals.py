@@ -13,9 +13,9 @@ every layer", not of value 1234 — in a plain Python loop over layers without
 Example:
     >>> import jax, jax.numpy as jnp
     >>> from jaxmem.graph import build_graph
-    >>> f = lambda w, x: jnp.tanh(x @ w).sum()
+    >>> f = lambda w, x: jnp.tanh(jnp.tanh(x @ w) @ w).sum()
     >>> g = build_graph(jax.make_jaxpr(jax.grad(f))(jnp.ones((4, 4)), jnp.ones((2, 4))))
-    >>> [r.primitive for r in find_residuals(g)]
+    >>> [r.primitive for r in find_residuals(g)]  # the outer one is read where backward starts
     ['tanh']
 """
 
