@@ -87,6 +87,17 @@ def _without_unit_dims(shape: tuple, contracting: tuple, batch: tuple
             tuple(keep[d] for d in batch if d in keep), len(keep))
 
 
+def merged_operands(graph: Graph, node: Node) -> tuple[bool, bool]:
+    """Per operand of dot ``node``, whether XLA merges its dims to read it as a matrix
+    (more than one free or contracting dim once the size-1 dims go)."""
+    (lc, rc), (lb, rb) = dict(node.params)["dimension_numbers"]
+    out = []
+    for v, c, b in ((node.inputs[0], lc, lb), (node.inputs[1], rc, rb)):
+        c, b, rank = _without_unit_dims(graph.values[v].shape, c, b)
+        out.append(len(c) > 1 or rank - len(b) - len(c) > 1)
+    return out[0], out[1]
+
+
 def copy_start(graph: Graph, pos: dict[int, int], v: int, first_dot: int) -> int:
     """Where XLA makes the transposed copy of dot operand ``v`` (first read at ``first_dot``).
 

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from jaxmem.graph import Graph
 from jaxmem.memory.columns import library_fusions, library_owner
-from jaxmem.memory.copies import dot_copies
+from jaxmem.memory.copies import dot_copies, merged_operands
 from jaxmem.memory.fusion import used_nodes
 from jaxmem.memory.precision import converted_reads
 from jaxmem.memory.scatters import added_scatter
@@ -74,11 +74,14 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
              *converted_reads(graph, owner, backend), *conv_copy_pairs(graph),
              *_swapped_dot_reads(graph)]
     preds += _copy_instructions(graph, preds, through, pairs)
+    preds += _reshape_instructions(graph, preds, {*pairs})
     runs = [u and not f for u, f in zip(used, fused, strict=True)] + [True] * (len(preds) - n)
     users: dict[int, list[int]] = collections.defaultdict(list)
     for i, ps in enumerate(preds):
         for p in ps:
             users[p].append(i)
+    for p in _barriers(graph):  # a barrier's copies and bitcasts come first among its users
+        users[p].sort(key=lambda i: i < n)
     waiting = [len(ps) for ps in preds]
     # Dead code (which XLA removes, and the memory model ignores) runs last: it must not
     # pull the values it reads forward.
@@ -123,6 +126,33 @@ def _copy_instructions(graph: Graph, preds: list[tuple[int, ...]],
             preds[ni] = (*preds[ni], copies[v])
     return [tuple(through[p]) if p in through else preds[p] if nodes[p].kind == "elementwise"
             else (p,) for p in (producers[v] for v in copies)]
+
+
+def _barriers(graph: Graph) -> list[int]:
+    return [i for i, node in enumerate(graph.nodes) if node.primitive == "optimization_barrier"]
+
+
+def _reshape_instructions(graph: Graph, preds: list[tuple[int, ...]],
+                          pairs: set[tuple[int, int]]) -> list[tuple[int, ...]]:
+    """The bitcasts XLA puts between an optimization barrier's output and a dot that reads
+    it with dims merged (``[b, s, d]`` as ``[b * s, d]``), as instructions of its queue
+    numbered from ``len(preds)`` on, like :func:`_copy_instructions`. The bitcast takes a
+    turn, so the dot runs after the barrier's other readers' readers: a rebuilt GELU's
+    weight gradient (through its cotangent's copy) before the input gradient's chain
+    (measured, jax 0.10.2: a bias-free GELU MLP's level rebuilding only the GELU output
+    +10.9 % before)."""
+    n, hops = len(preds), {}
+    nodes, producers = graph.nodes, graph.producers
+    for ni, node in enumerate(nodes):
+        if node.primitive != "dot_general" or len(node.inputs) != 2:
+            continue
+        for v, merged in zip(node.inputs, merged_operands(graph, node), strict=True):
+            p = producers.get(v)
+            if (merged and (ni, v) not in pairs and p is not None
+                    and nodes[p].primitive == "optimization_barrier" and p in preds[ni]):
+                hops.setdefault(p, n + len(hops))
+                preds[ni] = tuple(hops[p] if q == p else q for q in preds[ni])
+    return [(p,) for p in hops]
 
 
 def _swapped_dot_reads(graph: Graph) -> list[tuple[int, int]]:
