@@ -221,15 +221,15 @@ def _only_copied(graph: Graph, owner: dict[int, int], used: Sequence[bool],
 def _readers(graph: Graph, owner: dict[int, int], used: Sequence[bool], s: int) -> set[int]:
     """The live ops that read buffer ``s``: through its views and the values fused from it
     (a walk forward from ``s``: the pass over every node's inputs it replaces was a sixth
-    of a 22-layer model's liveness)."""
+    of a 22-layer model's liveness). A split computed inside head copies reads nothing."""
     nodes, consumers = graph.nodes, graph.consumers
     found: set[int] = set()
     seen, frontier = {s}, [s]
     while frontier:
         for c in consumers.get(frontier.pop(), ()):
             n = nodes[c]
-            fused = bool(n.outputs) and all(owner.get(o, o) == -1 for o in n.outputs)
-            if used[c] and not is_head_split(graph, n) and not fused:  # (heads: read the dot's)
+            inside = n.primitive == "split" and all(owner.get(o, o) == -1 for o in n.outputs)
+            if used[c] and not is_head_split(graph, n) and not inside:  # (heads: read the dot's)
                 found.add(c)
             for o in n.outputs:  # a view of ``s``, or a value computed from it in place
                 if o not in seen and owner.get(o, o) in (s, -1):
