@@ -80,8 +80,8 @@ def test_a_grouped_query_attention_step_follows_xla_at_every_level() -> None:
     assert len(levels) > 3
     plans = [f.compile_level(k, *args) for k in range(len(levels))]
     errors = sorted(abs(p.predicted_peak_bytes / p.peak_bytes - 1) for p in plans)
-    # before: median 5.6 %, worst -14.0 % (this step); the worst now, +9.1 %, is a level
-    # rebuilding only the GELU output (docs/notes.md, "Session 33")
+    # before: median 5.6 %, worst -14.0 % (this step); session 34: median 1.3 %, worst
+    # -6.0 % (docs/notes.md, "Session 34")
     assert errors[len(errors) // 2] <= 0.03 and errors[-1] <= 0.10, errors
     got, want = f(*args), jax.jit(_step)(*args)
     assert jnp.allclose(got[1], want[1])
