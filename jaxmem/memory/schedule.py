@@ -143,13 +143,14 @@ def _reshape_instructions(graph: Graph, preds: list[tuple[int, ...]],
     +10.9 % before)."""
     n, hops = len(preds), {}
     nodes, producers = graph.nodes, graph.producers
-    for ni, node in enumerate(nodes):
-        if node.primitive != "dot_general" or len(node.inputs) != 2:
+    barriers = set(_barriers(graph))
+    for ni, node in enumerate(nodes):  # dots reading no barrier output skip the dims check
+        if (node.primitive != "dot_general" or len(node.inputs) != 2
+                or not any(producers.get(v) in barriers for v in node.inputs)):
             continue
         for v, merged in zip(node.inputs, merged_operands(graph, node), strict=True):
             p = producers.get(v)
-            if (merged and (ni, v) not in pairs and p is not None
-                    and nodes[p].primitive == "optimization_barrier" and p in preds[ni]):
+            if merged and (ni, v) not in pairs and p in barriers and p in preds[ni]:
                 hops.setdefault(p, n + len(hops))
                 preds[ni] = tuple(hops[p] if q == p else q for q in preds[ni])
     return [(p,) for p in hops]
