@@ -12,6 +12,7 @@ from hlo_passes.timeline import buffer_timeline
 from jaxmem.graph import build_graph
 from jaxmem.memory import liveness, memory_model
 from jaxmem.memory.fusion import materialised
+from jaxmem.memory.readers import duplicated_bias_adds, reads
 from jaxmem.symbolic import sym
 
 B = sym("b")
@@ -70,3 +71,40 @@ def test_low_precision_arithmetic_read_twice_is_kept(b_dim, dtype) -> None:
     kept = owner[added[0]] == added[0]
     assert kept == (dtype == jnp.bfloat16)
     assert bool(xla_adds) == kept
+
+
+def test_a_batchnorm_mlps_levels_follow_xla() -> None:
+    # A Dense bias add read by BatchNorm's batch statistics (a library reduction) is kept,
+    # and XLA also recomputes it from the dot's result in each element-wise reader: the
+    # dot's result lives until the backward pass. Without the rule three levels were
+    # predicted 20 to 30 % under (bench.unseen's ``batchnorm``).
+    from bench.unseen_kinds import KINDS
+
+    case = KINDS["batchnorm"](False)
+    args = (case.state, *case.data)
+    f = jaxmem.jit(case.step, polymorphic_shapes=case.polymorphic_shapes,
+                   constraints=case.constraints)
+    for k in range(len(f.plans(*args).levels)):
+        level = f.compile_level(k, *args)
+        error = level.predicted_peak_bytes / level.peak_bytes - 1
+        assert abs(error) <= 0.15, (k, level.recompute, error)
+
+
+def test_a_kept_bias_add_is_read_through_its_operands_by_element_wise_readers() -> None:
+    # Flax's Dense adds its bias reshaped to [1, d] (a size-1 broadcast, not a
+    # broadcast_in_dim); the batch mean (a column sum) keeps the sum in a buffer.
+    def loss(w, bias, x):
+        h = x @ w + bias.reshape(1, -1)
+        centred = h - h.mean(0)
+        return (centred * jax.lax.rsqrt((centred ** 2).mean(0) + 1e-5)).sum()
+
+    g = graph_of(jax.grad(loss), jnp.ones((16, 64)), jnp.ones((64,)), jnp.ones((512, 16)))
+    used = [True] * len(g.nodes)
+    owner = materialised(g)
+    added = duplicated_bias_adds(g, owner, used)
+    adds = [n for n in g.nodes if n.primitive == "add" and n.outputs[0] in added]
+    assert len(adds) == 1 and owner[adds[0].outputs[0]] == adds[0].outputs[0]
+    dot = next(n for n in g.nodes if n.primitive == "dot_general")
+    readers = [g.nodes[c] for c in g.consumers[adds[0].outputs[0]]
+               if g.nodes[c].kind == "elementwise"]
+    assert readers and all(dot.outputs[0] in reads(r, added) for r in readers)

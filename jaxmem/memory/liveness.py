@@ -1,9 +1,9 @@
 """Buffers and their live ranges under an op order: what XLA allocates, and when.
 
 Which values XLA materialises (and the extra buffers it adds) comes from
-:mod:`jaxmem.memory.fusion`; this module decides when each buffer is born and
-when it dies, including XLA's buffer sharing (an elementwise or in-place op
-writing into an operand that dies there).
+:mod:`jaxmem.memory.fusion`; this module decides when each buffer is born and when it
+dies, including XLA's buffer sharing (an elementwise or in-place op writing into an
+operand that dies there).
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -34,7 +34,7 @@ from jaxmem.memory.fusion import (
 )
 from jaxmem.memory.precision import buffer_sizes, operand_copies
 from jaxmem.memory.random_bits import random_bits_counters, random_bits_sizes
-from jaxmem.memory.readers import distinct_full_operands
+from jaxmem.memory.readers import distinct_full_operands, duplicated_bias_adds, reads
 from jaxmem.memory.reductions import reduction_sizes
 from jaxmem.memory.scatters import batched_index_tuples, scattered_zeros
 from jaxmem.memory.schedule import BFS_BACKENDS
@@ -96,12 +96,13 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     owner = library_owner(graph, used, library) if owner is None else owner
     widened, bits, sizes = _sizes(graph, owner, used, backend, library)
     size = lambda v: sizes.get(v, graph.values[v].nbytes)  # noqa: E731
-    srcs = _buffer_sources(graph, owner)
+    duplicated = duplicated_bias_adds(graph, owner, used) if backend == "cpu" else {}
+    srcs = _buffer_sources(graph, owner, duplicated)
     copied: set[tuple[int, int]] = set()
     copies = transposed_copies(graph, order, owner, size, copied, used, pairs)
     base, copied = _copied_early(graph, order, owner, used, copies, copied)
     first_def, last_use = _definitions_and_uses(graph, order, owner, srcs, used, copied,
-                                                backend)
+                                                backend, duplicated)
     convs = conv_copies(graph, order, size)
     for x in (*copies, *convs):  # a copied operand is read when its copy is made
         for v in _copy_reads(graph, x, base, srcs, owner):
@@ -184,7 +185,8 @@ def _copied_early(graph: Graph, order: Sequence[int], owner: dict[int, int],
                               {(ni, base.get(v, v)) for ni, v in copied if v in early})
 
 
-def _buffer_sources(graph: Graph, owner: dict[int, int]) -> Callable[[int], frozenset[int]]:
+def _buffer_sources(graph: Graph, owner: dict[int, int],
+                    duplicated: dict[int, tuple[int, ...]]) -> Callable[[int], frozenset[int]]:
     """Buffers a value is read from: XLA recomputes a fused value from its sources' buffers."""
     nodes, producers = graph.nodes, graph.producers
     sources: dict[int, frozenset[int]] = {}
@@ -197,7 +199,7 @@ def _buffer_sources(graph: Graph, owner: dict[int, int]) -> Callable[[int], froz
             res = frozenset([o])
         else:
             n = nodes[producers[v]]
-            res = frozenset().union(*[srcs(i) for i in n.inputs]) if n.inputs else frozenset()
+            res = frozenset().union(*[srcs(i) for i in reads(n, duplicated)])
         sources[v] = res
         return res
 
@@ -240,13 +242,14 @@ def _readers(graph: Graph, owner: dict[int, int], used: Sequence[bool], s: int) 
 
 def _definitions_and_uses(graph: Graph, order: Sequence[int], owner: dict[int, int],
                           srcs: Callable[[int], frozenset[int]], used: Sequence[bool],
-                          copied: set[tuple[int, int]] = frozenset(),
-                          backend: str | None = None
+                          copied: set[tuple[int, int]], backend: str,
+                          duplicated: dict[int, tuple[int, ...]]
                           ) -> tuple[dict[int, int], dict[int, int]]:
     """Where XLA allocates each buffer (its first writer) and frees it (after its last
-    reader); dead code neither writes nor reads, and a dot reading an operand through
-    its transposed copy (``copied``: node, operand) reads the copy. On a breadth-first
-    ``backend`` a scan's stacked outputs are allocated at the start (:func:`stacked_outputs`)."""
+    reader); dead code neither writes nor reads, a dot reading an operand through its
+    transposed copy (``copied``: node, operand) reads the copy, and an element-wise op
+    reads a ``duplicated`` bias add's operands. On a breadth-first ``backend`` a scan's
+    stacked outputs are allocated at the start (:func:`stacked_outputs`)."""
     last_use: dict[int, int] = {}
     first_def: dict[int, int] = {}
     nodes = graph.nodes
@@ -254,7 +257,7 @@ def _definitions_and_uses(graph: Graph, order: Sequence[int], owner: dict[int, i
         n = nodes[ni]
         if not used[ni]:
             continue  # dead code: XLA removes it
-        for i in n.inputs:
+        for i in reads(n, duplicated):
             o = owner.get(i, i)
             if o != -1:  # a buffer of its own (or a view of one): read in place
                 if (ni, o) not in copied and (ni, i) not in copied:
@@ -273,10 +276,8 @@ def _definitions_and_uses(graph: Graph, order: Sequence[int], owner: dict[int, i
 
 def _output_buffers(graph: Graph, order: Sequence[int], owner: dict[int, int],
                     first_def: dict[int, int]) -> set[int]:
-    """The result buffers: XLA writes an output that fused away with the fusion computing it.
-
-    Such an output gets its producer's position in ``first_def``.
-    """
+    """The result buffers: XLA writes an output that fused away with the fusion computing it
+    (such an output gets its producer's position in ``first_def``)."""
     pos = {n: p for p, n in enumerate(order)}
     outputs = {owner.get(v, v) for v in graph.outputs if owner.get(v, v) != -1}
     for v in graph.outputs:
@@ -378,9 +379,7 @@ def _value_buffers(graph: Graph, end: int, owner: dict[int, int], outputs: set[i
     output buffer. An argument nothing live reads is no argument of the executable:
     ``jax.jit`` prunes it (``keep_unused=False``), donated or not.
     """
-    inputs = set(graph.inputs)
-    buffers = []
-    values = graph.values
+    inputs, buffers, values = set(graph.inputs), [], graph.values
     # Only arguments, outputs and values some node writes can have a buffer: those, in
     # value order (``values[i].id == i``), not every value of the graph.
     for vid in sorted(inputs.union(outputs, first_def)):
