@@ -397,20 +397,3 @@ def test_regression_epilogue_buffer_does_not_depend_on_the_trace() -> None:
     report = jaxmem.analyze(f, jax.ShapeDtypeStruct((b, b), jnp.float32))
     concrete = jaxmem.analyze(f, jax.ShapeDtypeStruct((2, 2), jnp.float32))
     assert report.peak_bytes_at(b=2) == concrete.peak_bytes_at()  # today: 64 != 32 (XLA: 32)
-
-
-@pytest.mark.xfail(strict=True, reason="known gap (docs/notes.md, 'Session 35'): at b = 1 "
-                   "the concrete model keeps a [b] -> [b, b] broadcast a dot reads, which "
-                   "the symbolic model does not (a 4-byte buffer)")
-def test_regression_a_size_preserving_broadcast_read_by_a_dot() -> None:
-    # Found by test_peak_without_output_reuse_matches_and_bounds (a random example; the
-    # same on session 34's code): the symbolic model, 40 bytes at b = 1, under the
-    # concrete one, 44.
-    tanh = lambda arg: Op("tanh", (arg,), None, ("b",))  # noqa: E731
-    recipe = Recipe((("b",),), (
-        tanh(0), tanh(0), tanh(0), Op("broadcast", (0,), None, ("b", "b")),
-        Op("dot", (1, 4), "matmul", ("b",)), tanh(0), tanh(0),
-        Op("reduce_sum", (4,), 0, ("b",)), Op("tanh", (4,), None, ("b", "b")),
-        Op("concatenate", (8, 5), 0, ("(b+b)",))), (9, 10))
-    test_peak_without_output_reuse_matches_and_bounds.hypothesis.inner_test(
-        recipe, {"b": 1, "s": 1})
