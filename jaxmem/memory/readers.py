@@ -124,9 +124,9 @@ def duplicated_bias_adds(graph: Graph, owner: dict[int, int], used: Sequence[boo
             (p := producers.get(v)) is None or nodes[p].primitive != "broadcast_in_dim")]
         buffer = owner.get(full[0], full[0]) if len(full) == 1 else -1  # (through views)
         p = producers.get(buffer) if buffer != -1 else None
-        if (p is not None and nodes[p].primitive == "dot_general" and any(
-                    used[c] and nodes[c].kind == "elementwise"
-                    for c in graph.consumers.get(n.outputs[0], ()))):
+        readers = graph.consumers.get(n.outputs[0], ())
+        if (p is not None and nodes[p].primitive == "dot_general"
+                and any(used[c] and nodes[c].kind == "elementwise" for c in readers)):
             out[n.outputs[0]] = tuple(n.inputs)
     return out
 

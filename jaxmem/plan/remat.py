@@ -396,5 +396,5 @@ _MAX_HEAVY = 2
 def _cheap(graph: Graph, chain: tuple[int, ...], r: Residual,
            max_heavy: int = _MAX_HEAVY) -> bool:
     """At most ``max_heavy`` materialising ops besides the residual's own producer."""
-    heavy = [i for i in chain if is_heavy(graph, graph.nodes[i]) and i != r.producer]
+    heavy = [i for i in chain if is_heavy(graph.nodes[i]) and i != r.producer]
     return len(heavy) <= max_heavy

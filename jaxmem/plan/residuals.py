@@ -297,7 +297,7 @@ def recompute_chain(graph: Graph, value: int, leaves: set[int], max_heavy: int |
             return None  # only plain forward ops are recomputed
         if n.primitive in _RANDOM:
             return None
-        if max_heavy is not None and p != besides and p not in need and is_heavy(graph, n):
+        if max_heavy is not None and p != besides and p not in need and is_heavy(n):
             heavy += 1
             if heavy > max_heavy:
                 return None
@@ -370,7 +370,7 @@ def _indices(mask: int) -> tuple[int, ...]:
 HEAVY_KINDS = frozenset(("opaque", "control", "inplace"))
 
 
-def is_heavy(graph: Graph, node: Node) -> bool:
+def is_heavy(node: Node) -> bool:
     """Whether a re-run of ``node`` materialises a result (:data:`HEAVY_KINDS`). A
     ``dim_as_value`` is not: it is a literal on the concrete trace that runs, so counting
     it made a BatchNorm's statistics (a sum divided by the batch size) too long to rebuild
@@ -380,10 +380,11 @@ def is_heavy(graph: Graph, node: Node) -> bool:
         >>> import jax, jax.numpy as jnp
         >>> from jaxmem.graph import build_graph
         >>> g = build_graph(jax.make_jaxpr(lambda x: jnp.tanh(x @ x))(jnp.ones((2, 2))))
-        >>> [is_heavy(g, n) for n in g.nodes]
+        >>> [is_heavy(n) for n in g.nodes]
         [True, False]
     """
     return node.kind in HEAVY_KINDS and node.primitive != "dim_as_value"
+
 
 # Ops whose re-run may not give the same result: stateful RNG and host callbacks.
 # Counter-based random bits (``threefry2x32``, ``random_bits``) are pure functions of
