@@ -15,6 +15,7 @@ import jaxmem
 from bench.unseen_kinds import KINDS
 from bench.unseen_programs import CASES
 from jaxmem.dispatch.bind import bind_dims
+from jaxmem.graph import Graph
 from jaxmem.plan.segments import batch_inputs, find_segments
 from jaxmem.rewrite import rewrite_level
 
@@ -61,6 +62,10 @@ RERUN = frozenset("""optimization_barrier dot_general exp log tanh logistic rsqr
 integer_pow square reduce_sum reduce_max select_n""".split())
 
 
+def _reruns(graph: Graph) -> collections.Counter[str]:
+    return collections.Counter(n.primitive for n in graph.nodes if n.primitive in RERUN)
+
+
 @pytest.mark.parametrize("name", TRAIN)
 def test_every_levels_concrete_rewrite_reruns_what_its_model_reruns(name: str) -> None:
     # Each level's memory model is built on the symbolic trace's rewrite; what runs is
@@ -81,9 +86,7 @@ def test_every_levels_concrete_rewrite_reruns_what_its_model_reruns(name: str) -
             # the quick rotary step's symbolic trace has six cuts inside its attention
             # that the concrete one lacks (docs/notes.md, "Session 35").
             continue
-        count = lambda g: collections.Counter(  # noqa: E731
-            n.primitive for n in g.nodes if n.primitive in RERUN)
-        assert count(ran) == count(level.graph), (name, k, level.recompute)
+        assert _reruns(ran) == _reruns(level.graph), (name, k, level.recompute)
 
 
 @pytest.mark.parametrize("quick", [True, pytest.param(False, marks=pytest.mark.slow)])

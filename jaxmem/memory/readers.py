@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import sympy
 
 from jaxmem.graph import Graph, Node
+from jaxmem.memory.library import element_count
 
 
 def low_precision_arithmetic(graph: Graph, node: Node, v: int) -> bool:
@@ -77,7 +78,7 @@ def distinct_full_operands(graph: Graph, inputs: Sequence[int], size: sympy.Expr
     ``ct`` and ``x`` again in its transposed copy (measured, jax 0.10.2)."""
     keys: set[object] = set()
     for u in dict.fromkeys(inputs):
-        if sympy.Mul(*graph.values[u].shape) != size:  # fusion.element_count; no cycle
+        if element_count(graph, u) != size:
             continue
         p = graph.producers.get(u)
         node = graph.nodes[p] if p is not None else None
@@ -119,8 +120,8 @@ def duplicated_bias_adds(graph: Graph, owner: dict[int, int], used: Sequence[boo
                 or owner.get(n.outputs[0]) != n.outputs[0] or n.outputs[0] in outputs
                 or graph.values[n.outputs[0]].dtype != "float32"):
             continue
-        size = sympy.Mul(*graph.values[n.outputs[0]].shape)
-        full = [v for v in n.inputs if sympy.Mul(*graph.values[v].shape) == size and (
+        size = element_count(graph, n.outputs[0])
+        full = [v for v in n.inputs if element_count(graph, v) == size and (
             (p := producers.get(v)) is None or nodes[p].primitive != "broadcast_in_dim")]
         buffer = owner.get(full[0], full[0]) if len(full) == 1 else -1  # (through views)
         p = producers.get(buffer) if buffer != -1 else None
@@ -131,9 +132,10 @@ def duplicated_bias_adds(graph: Graph, owner: dict[int, int], used: Sequence[boo
     return out
 
 
-def reads(node: Node, duplicated: dict[int, tuple[int, ...]]) -> list[int]:
+def reads(node: Node, duplicated: dict[int, tuple[int, ...]]) -> Sequence[int]:
     """The values element-wise ``node`` reads, with each :func:`duplicated_bias_adds` value
-    replaced by its operands (any other node reads its inputs)."""
+    replaced by its operands (any other node reads its inputs). Runs per node in every
+    memory model: the common case hands back ``node.inputs`` uncopied."""
     if not duplicated or node.kind != "elementwise":
-        return list(node.inputs)
+        return node.inputs
     return [x for i in node.inputs for x in duplicated.get(i, (i,))]
