@@ -5,10 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+import sympy
 
 from jaxmem.graph import build_graph
 from jaxmem.memory.constants import ConstantUse, shared_constants
 from jaxmem.memory.fusion import used_nodes
+from jaxmem.memory.library import constant_operands
 
 
 def _graph():
@@ -44,3 +46,19 @@ def test_a_constant_no_op_outside_reads_is_no_buffer():
     assert shared_constants(g, used, uses, "note") == []
     taken = frozenset({(0.5, (64, 64), 4)})  # another rule counts it
     assert shared_constants(g, used, _uses(8192, 8192), "note", taken) == []
+
+
+def test_a_constant_over_a_shifted_symbolic_shape_has_its_dtypes_itemsize():
+    # x[:, :-1] is (b, s - 1): its size is held expanded (4*b*s - 4*b), which sympy does
+    # not divide by b*(s - 1) on its own; the key's itemsize must still be the number 4.
+    b, s = jax.export.symbolic_shape("b, s")
+    f = lambda x: (x[:, :-1] * 0.5, jnp.tanh(x[:, :-1] * 0.5))  # noqa: E731
+    g = build_graph(jax.make_jaxpr(f)(jax.ShapeDtypeStruct((b, s), jnp.float32)))
+    muls = [n.index for n in g.nodes if n.primitive == "mul"]
+    keys = {k for n in muls for k in constant_operands(g, g.nodes[n])}
+    assert [k[2] for k in keys] == [4]
+    tanh = next(n.index for n in g.nodes if n.primitive == "tanh")
+    uses = [ConstantUse(frozenset({muls[1]}), frozenset({muls[1], tanh}), tanh, 8192, 0)]
+    (extra,) = shared_constants(g, used_nodes(g), uses, "note")
+    size = g.values[g.nodes[muls[1]].outputs[0]].nbytes
+    assert sympy.expand(extra.nbytes - size) == 0

@@ -123,3 +123,13 @@ def test_a_split_projection_is_computed_inside_the_head_copies() -> None:
     plans = [f.compile_level(k, params, tokens) for k in range(len(f.plans(params, tokens).levels))]
     errors = [p.predicted_peak_bytes / p.peak_bytes - 1 for p in plans]
     assert abs(errors[0]) <= 0.02 and sorted(map(abs, errors))[len(errors) // 2] <= 0.03, errors
+
+
+def test_a_reshaped_broadcast_of_a_literal_is_no_head_split() -> None:
+    # Per-example gradients under vmap broadcast literals and reshape them; such a
+    # broadcast has no operand to follow back to a projection.
+    g = build_graph(jax.make_jaxpr(lambda x: x + jnp.full((4, 8), 2.0).reshape(2, 16))(
+        jnp.ones((2, 16))))
+    reshape = next(n for n in g.nodes if n.primitive == "reshape")
+    assert not g.nodes[g.producers[reshape.inputs[0]]].inputs
+    assert head_projection(g, reshape) is None

@@ -147,8 +147,8 @@ def head_projection(graph: Graph, node: Node) -> int | None:
         prim = graph.nodes[src].primitive
         if prim == "dot_general":
             return v
-        if prim not in ("reshape", "broadcast_in_dim", "split"):
-            return None
+        if prim not in ("reshape", "broadcast_in_dim", "split") or not graph.nodes[src].inputs:
+            return None  # (a broadcast of a literal has no operand)
         v = graph.nodes[src].inputs[0]
     return None
 

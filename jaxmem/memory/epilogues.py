@@ -21,7 +21,7 @@ import sympy
 
 from jaxmem.graph import Graph, Node
 from jaxmem.memory.fusion import Extra, element_count
-from jaxmem.memory.library import from_rows
+from jaxmem.memory.library import from_rows, itemsize
 
 
 def epilogue_broadcasts(graph: Graph, order: Sequence[int], owner: dict[int, int],
@@ -119,11 +119,10 @@ def _broadcast_operands(graph: Graph, e: Node, region: set[int], owner: dict[int
         o = owner.get(src, src)
         here = pos[e.index]
         start = min(_made(graph, pos, src, first_def.get(o, 0)), here) if o != -1 else here
-        itemsize = graph.values[e.outputs[0]].nbytes / size
         # A library dot's fusion exists from its threshold on (attention's 1/sum
         # broadcast at (2, 512): read in place by a loop fusion).
         gate = from_rows(small) if _library_dot(graph, graph.nodes[dot]) else 1
-        out.append(Extra(x, sympy.expand(size * itemsize * gate), start, here,
+        out.append(Extra(x, sympy.expand(size * itemsize(graph, e.outputs[0]) * gate), start, here,
                          "broadcast epilogue operand"))
     return out
 

@@ -109,6 +109,14 @@ def element_count(graph: Graph, v: int) -> sympy.Expr:
     return sympy.Mul(*graph.values[v].shape) if graph.values[v].shape else sympy.Integer(1)
 
 
+def itemsize(graph: Graph, v: int) -> sympy.Expr:
+    """Bytes per element of value ``v`` (0 in host memory). A size over a shape such as
+    ``(b, s - 1)`` is held expanded (``4*b*s - 4*b``), which sympy does not divide by the
+    unexpanded element count on its own."""
+    q = graph.values[v].nbytes / element_count(graph, v)
+    return q if q.is_Number else sympy.cancel(q)
+
+
 def constant_operands(graph: Graph, node: Node, fold: bool = True) -> list[tuple]:
     """``(constant, shape, itemsize)`` of each scalar constant elementwise ``node`` reads at
     its own shape: a literal operand, or an operand broadcast from one."""
@@ -130,8 +138,7 @@ def constant_operands(graph: Graph, node: Node, fold: bool = True) -> list[tuple
         return []
     if fold and node.primitive in ("mul", "div") and any(_scaled(graph, v) for v in node.inputs):
         return []  # XLA's simplifier folds c1 * (c2 * x) into one constant
-    itemsize = out.nbytes / sympy.Mul(*out.shape)
-    return [(val, out.shape, itemsize) for val in vals]
+    return [(val, out.shape, itemsize(graph, out.id)) for val in vals]
 
 
 def _scalar(val: object) -> float | complex:

@@ -37,6 +37,7 @@ import sympy
 
 from jaxmem.graph import Graph, Node
 from jaxmem.memory.fusion import Extra
+from jaxmem.memory.library import itemsize
 
 
 def batched_index_tuples(graph: Graph, order: Iterable[int], backend: str) -> list[Extra]:
@@ -59,7 +60,7 @@ def batched_index_tuples(graph: Graph, order: Iterable[int], backend: str) -> li
     for (v, batching), (start, end) in spans.items():
         indices = graph.values[v]
         count = sympy.Mul(*indices.shape[:-1])
-        size = count * (indices.shape[-1] + batching) * indices.nbytes / sympy.Mul(*indices.shape)
+        size = count * (indices.shape[-1] + batching) * itemsize(graph, v)
         out.append(Extra(v, sympy.expand(size), start, end, "index tuples with batch positions"))
     return out
 

@@ -43,6 +43,7 @@ from jaxmem.memory.fusion import Extra
 from jaxmem.memory.library import (
     constant_operands,
     constant_readers,
+    itemsize,
     library_window,
     pooling_region,
 )
@@ -155,17 +156,17 @@ def max_pool_gradient_buffers(graph: Graph, order: Sequence[int], used: Sequence
         source, operand = (graph.values[v] for v in node.inputs)
         elems, pooled, rank = (sympy.Mul(*operand.shape), sympy.Mul(*source.shape),
                                len(operand.shape))
-        itemsize = operand.nbytes / elems
+        item_bytes = itemsize(graph, operand.id)
         producer = graph.producers.get(operand.id)
         window, p = (0 if producer is None else pos[producer] + 1), pos[ni]
         span = iotas.setdefault(operand.shape, [operand.id, window])
         span[1] = max(span[1], window)
-        out.append(Extra(operand.id, sympy.expand((itemsize + rank * _INDEX_BYTES) * pooled),
+        out.append(Extra(operand.id, sympy.expand((item_bytes + rank * _INDEX_BYTES) * pooled),
                          window, window, "max-pool gradient: window maxima and indices"))
         out.append(Extra(operand.id, sympy.expand(rank * _INDEX_BYTES * pooled),
                          min(window + 1, p), p, "max-pool gradient: selected indices"))
         if p > 0 and node.outputs[0] not in results:  # a result's zeros are in the output
-            out.append(Extra(node.outputs[0], sympy.expand(itemsize * elems), 0, p - 1,
+            out.append(Extra(node.outputs[0], sympy.expand(item_bytes * elems), 0, p - 1,
                              "max-pool gradient: zeros the scatter adds into"))
     out.extend(Extra(v, sympy.expand(len(shape) * _INDEX_BYTES * sympy.Mul(*shape)), 0, end,
                      "max-pool gradient: iota of an operand dim") for shape, (v, end)
