@@ -169,27 +169,36 @@ class Executable:
     order_enforced: bool
 
 
-def lower_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tuple[Any, ...],
-                options: CompileOptions, apply_order: bool = True, microbatches: int = 1,
-                axis: str = "") -> Executable:
-    """Compiles level ``k`` at the shapes of ``dynamic``.
+def lowered_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tuple[Any, ...],
+                  options: CompileOptions, apply_order: bool = True, microbatches: int = 1,
+                  axis: str = "") -> tuple[Any, Any]:
+    """Level ``k`` lowered (``jax.stages.Lowered``, not compiled) at the shapes of
+    ``dynamic``, and its rewrite (None where there is nothing to rewrite).
 
-    A level with nothing to rewrite compiles the user's own function, as
-    ``jax.jit`` would; every other goes through :func:`jaxmem.rewrite.rewrite_level`.
+    A level with nothing to rewrite lowers the user's own function, as ``jax.jit``
+    would; every other goes through :func:`jaxmem.rewrite.rewrite_level`.
     """
-    enforced, rewritten = False, None
+    rewritten = None
     if not needs_rewrite(analysis, k, apply_order, microbatches):
         run: Any = analysis.flat_fn
     else:
         rewritten = rewrite_level(analysis, k, dims, dynamic, apply_order, microbatches, axis)
-        enforced = rewritten.order_enforced
-        body = as_function(rewritten.graph, enforce_order=enforced)
+        body = as_function(rewritten.graph, enforce_order=rewritten.order_enforced)
 
         def run(*dyn: Any) -> Any:
             flat = body(*jax.tree_util.tree_leaves(dyn))
             return jax.tree_util.tree_unflatten(rewritten.out_tree, flat)
 
-    lowered = jax.jit(run, **options.jit_kwargs()).lower(*dynamic)
+    return jax.jit(run, **options.jit_kwargs()).lower(*dynamic), rewritten
+
+
+def lower_level(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tuple[Any, ...],
+                options: CompileOptions, apply_order: bool = True, microbatches: int = 1,
+                axis: str = "") -> Executable:
+    """Compiles level ``k`` at the shapes of ``dynamic``."""
+    lowered, rewritten = lowered_level(analysis, k, dims, dynamic, options, apply_order,
+                                       microbatches, axis)
+    enforced = rewritten is not None and rewritten.order_enforced
     compiled = lowered.compile(compiler_options=compiler_options())
     flat_shardings = jax.tree_util.tree_leaves(compiled.input_shardings[0])
     local = local_dims(analysis, dims, flat_shardings)

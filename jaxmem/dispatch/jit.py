@@ -51,8 +51,9 @@ from jaxmem.dispatch.fastpath import key_reader
 from jaxmem.dispatch.keywords import KeywordCalls, check_argnames, routes_keywords
 from jaxmem.dispatch.plan import Plan, infeasible, make_plan, no_retry_fits, unrepeatable
 from jaxmem.dispatch.store import AnalysisStore
+from jaxmem.dispatch.traced import PlannedLowered, as_jax_jit, has_tracer
 from jaxmem.errors import BudgetInfeasibleError
-from jaxmem.lower import CompileOptions, Executable, lower_level
+from jaxmem.lower import CompileOptions, Executable, lower_level, lowered_level
 from jaxmem.plan.analysis import Analysis, analyze_specs, arg_shardings, local_dims
 from jaxmem.plan.compiles import CompilePlan
 from jaxmem.plan.levels import PlanSet
@@ -154,9 +155,8 @@ class Jitted:
         if not 0 <= level < len(analysis.plans.levels):
             raise ValueError(f"level must be in [0, {len(analysis.plans.levels)}), got {level}")
         dims = bind_dims(analysis, dynamic)
-        axis = getattr(self.scheduler, "axis", "b")
         exe = lower_level(analysis, level, dims, dynamic, self._options(analysis), apply_order,
-                          microbatches, axis)
+                          microbatches, self._axis)
         return make_plan(analysis, exe, dims, self.budget_bytes, self.static_argnums,
                          f"level {level} compiled on request (Jitted.compile_level)")
 
@@ -222,6 +222,11 @@ class Jitted:
                 self.constraints, self.scheduler, self.donate_argnums, self.symbolic,
                 self.offload, self.offload_costs, planner)))
 
+    @property
+    def _axis(self) -> str:
+        """The dim a microbatching scheduler splits."""
+        return getattr(self.scheduler, "axis", "b")
+
     def _options(self, analysis: Analysis) -> CompileOptions:
         return CompileOptions(analysis.donate_dynamic, self.in_shardings, self.out_shardings)
 
@@ -236,6 +241,21 @@ class Jitted:
         static, dynamic = self._split(args)
         key = call_key(static, dynamic)
         return self._plans.get_or_make(key, lambda: self._make_plan(static, dynamic))
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        """The outputs' ``jax.ShapeDtypeStruct``s, as ``jax.jit``'s: nothing is compiled."""
+        return as_jax_jit(self.fun, self._settings()).eval_shape(*args, **kwargs)
+
+    @routes_keywords()
+    def lower(self, *args: Any) -> Any:
+        """The lowered level a call with ``args`` runs (planned and compiled first, as
+        :meth:`plan_for`): a ``jax.stages.Lowered``, whose ``compile()`` makes that
+        executable (called without the static arguments, as ``jax.jit``'s)."""
+        plan, (static, dynamic) = self.plan_for(*args), self._split(args)
+        analysis = self._analysis(static, dynamic)
+        return PlannedLowered(lowered_level(analysis, plan.level, plan.dims, dynamic,
+                                            self._options(analysis), plan.order_enforced,
+                                            plan.microbatches, self._axis)[0])
 
     def _make_plan(self, static: tuple[Any, ...], dynamic: tuple[Any, ...],
                    budget: int | None = None, skip: frozenset[int] = frozenset()) -> Plan:
@@ -264,8 +284,7 @@ class Jitted:
     def _lower(self, analysis: Analysis, k: int, dims: dict[str, int],
                dynamic: tuple[Any, ...], microbatches: int) -> Executable:
         """Level ``k`` compiled; a heuristic op order is kept only if XLA's peak is lower."""
-        axis = getattr(self.scheduler, "axis", "b")
-        options = self._options(analysis)
+        options, axis = self._options(analysis), self._axis
         exe = lower_level(analysis, k, dims, dynamic, options, True, microbatches, axis)
         if exe.order_enforced and getattr(self.scheduler, "verify_with_xla", False):
             free = lower_level(analysis, k, dims, dynamic, options, False, microbatches, axis)
@@ -276,7 +295,7 @@ class Jitted:
         """The scheduler's ``microbatches`` hook at ``dims``, where it could split the batch."""
         if budget is None or type(self.scheduler).microbatches is Scheduler.microbatches:
             return None
-        if dims.get(getattr(self.scheduler, "axis", "b"), 1) <= 1:
+        if dims.get(self._axis, 1) <= 1:
             return None
         return lambda fits: self.scheduler.microbatches(dict(dims), fits)
 
@@ -302,6 +321,8 @@ class Jitted:
                 if not is_resource_exhausted(e):
                     raise
                 return self._retry(plan, args, e)
+        if has_tracer(args):  # inside an outer transformation: jax.jit's call, inlined
+            return as_jax_jit(self.fun, self._settings())(*args)
         plan = self.plan_for(*args)
         try:
             out = plan.run(*args)
@@ -314,11 +335,8 @@ class Jitted:
 
     def _remember(self, args: tuple[Any, ...], plan: Plan) -> None:
         """Files ``plan`` in the fast table when ``args`` have the first analysis' structure.
-
-        Without static arguments the table holds the executable's C++ entry point,
-        which ``Compiled.__call__`` sets up on its first call, so a fast call runs no
-        Python frame of jaxmem's or of ``jax.stages`` beyond the key read.
-        """
+        Without static arguments it holds the executable's C++ entry point (set up by
+        ``Compiled.__call__``'s first call): a fast call runs no Python frame but the key's."""
         static, dynamic = self._split(args)
         analysis = self._analysis(static, dynamic)
         if self._read_analysis is None:
@@ -370,18 +388,10 @@ class Jitted:
 
     def precompile(self, shapes: Iterable[Sequence[Any]], background: bool = True,
                    workers: int = 2) -> list[concurrent.futures.Future[Plan]]:
-        """Plans and compiles ahead for argument specs the caller expects.
-
-        XLA's compile releases the GIL, so distinct shapes compile in parallel on
-        ``workers`` threads while the caller runs steps; a shape already being
-        compiled is compiled once (a call for it waits for that compile).
-
-        Args:
-            shapes: each item is a tuple of arguments (arrays or ``jax.ShapeDtypeStruct``)
-                as they will be passed.
-            background: compile on background threads and return futures.
-            workers: threads of the pool (set by the first background call).
-        """
+        """Plans and compiles ahead for argument specs the caller expects: ``shapes`` holds
+        tuples of arguments (arrays or ``jax.ShapeDtypeStruct``) as they will be passed.
+        With ``background``, on ``workers`` threads (XLA's compile releases the GIL) while
+        the caller runs steps; a shape being compiled is compiled once (a call waits)."""
         return self._pool.submit(self.plan_for, [tuple(s) for s in shapes], background, workers)
 
 
