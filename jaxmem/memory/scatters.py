@@ -75,17 +75,19 @@ def scattered_zeros(graph: Graph, order: Sequence[int], backend: str,
     """The zeros each scatter into a constant adds into (module docstring), from the
     program's start to where the model's own buffer of them starts (``owner``: the
     materialised values), or else to the scatter, which then holds them as its result;
-    none for a scatter that writes a result (counted whole) or whose result is only added
-    to (XLA's simplifier scatters into the other summand), none off CPU."""
+    none for a scatter that writes a result (counted whole), whose result is only added
+    to (XLA's simplifier scatters into the other summand) or whose indices are constant
+    (the transpose of ``qkv[:, :, 0]``, a gather only where a dim is symbolic: the
+    concrete trace slices and pads), none off CPU."""
     if backend != "cpu":
         return []
     pos = {n: p for p, n in enumerate(order)}
     results, out = set(graph.outputs), []
     for ni in order:
         node = graph.nodes[ni]
-        if (node.primitive not in _SCATTER_INTO or not node.inputs
+        if (node.primitive not in _SCATTER_INTO or len(node.inputs) < 2
                 or node.inputs[0] not in graph.constant or node.outputs[0] in results
-                or added_scatter(graph, node)):
+                or node.inputs[1] in graph.constant or added_scatter(graph, node)):
             continue
         zeros = node.inputs[0]
         held = owner.get(zeros) == zeros and zeros in graph.producers
