@@ -32,8 +32,10 @@ Usage::
 
     python -m bench.unseen [--quick] [--programs dropout,cond] [--out unseen.json]
 
-The three kinds of :mod:`bench.unseen_kinds` (BatchNorm, a scan inside an accumulation
-scan, ``lax.switch`` per layer) run when named: ``--programs batchnorm,nested-scan,switch``.
+The kinds of :mod:`bench.unseen_kinds` (BatchNorm, a scan inside an accumulation scan,
+``lax.switch`` per layer, ...) and the styles of :mod:`bench.unseen_styles` (tied
+embeddings, DP-SGD, packed sequences, bfloat16 parameters, an LSTM, NNX BatchNorm, ...)
+run when named: ``--programs batchnorm,nested-scan,switch`` or ``--programs tied,dpsgd``.
 
 ``--quick``: 1 layer at (2, 16), for the test. Prints a table and writes
 ``{"rows": [...], "shape", "layers"}`` to ``--out``.
@@ -57,6 +59,7 @@ import jaxmem
 from bench.outputs import TextTable, add_output_arguments
 from bench.unseen_kinds import KINDS
 from bench.unseen_programs import CASES, Case
+from bench.unseen_styles import STYLES
 
 D, VOCAB = 64, 128
 BUDGET_FRACTION = 0.6
@@ -212,12 +215,17 @@ def measure(name: str, case: Case) -> dict[str, Any]:
                 "levels": _levels(planned, args)}
     plan_s = time.perf_counter() - t0
     got, want = planned(*args), plain(*args)
-    diff = max(float(jnp.max(jnp.abs(x - y)))
+    diff = max(float(jnp.max(jnp.abs(_numbers(x) - _numbers(y))))
                for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
     return {"program": name, "plain_peak_bytes": plain_bytes, "budget_bytes": budget,
             "level": plan.level, "peak_bytes": plan.peak_bytes,
             "fits": plan.peak_bytes <= budget, "max_abs_diff": diff, "plan_s": plan_s,
             "levels": _levels(planned, args)}
+
+
+def _numbers(x: jax.Array) -> jax.Array:
+    """``x``, or a typed PRNG key's data (keys have no arithmetic)."""
+    return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
 
 
 def _levels(planned: jaxmem.Jitted, args: tuple[Any, ...]) -> list[dict[str, int]]:
@@ -245,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"{layers} layers at b={b}, s={s} (decoders; bench.unseen_programs for the others); "
         f"budget {BUDGET_FRACTION}x plain jax.jit's peak")
     rows = []
-    others = {**CASES, **KINDS}  # the kinds run when named (session 31's sweep)
+    others = {**CASES, **KINDS, **STYLES}  # kinds and styles run when named (sessions 31, 36)
     for name in args.programs.split(","):
         if name not in PROGRAMS and name not in others:
             raise SystemExit(f"--programs: unknown program {name!r}; known: "

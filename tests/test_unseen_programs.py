@@ -1,19 +1,21 @@
-"""bench.unseen_programs and bench.unseen_kinds: programs written apart from jaxmem run
-under ``jaxmem.jit`` exactly as under ``jax.jit`` at their deepest level; at full size XLA
-puts that level's peak below level 0's. The eval step (no gradient, nothing to
-recompute: one level) runs exactly as under ``jax.jit``."""
+"""bench.unseen_programs, bench.unseen_kinds and bench.unseen_styles: programs written
+apart from jaxmem run under ``jaxmem.jit`` exactly as under ``jax.jit`` at their deepest
+level; at full size XLA puts that level's peak below level 0's. The eval step (no
+gradient, nothing to recompute: one level) runs exactly as under ``jax.jit``."""
 
 from __future__ import annotations
 
 import collections
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxmem
 from bench.unseen_kinds import KINDS
 from bench.unseen_programs import CASES
+from bench.unseen_styles import STYLES
 from jaxmem.dispatch.bind import bind_dims
 from jaxmem.graph import Graph
 from jaxmem.plan.segments import batch_inputs, find_segments
@@ -21,7 +23,7 @@ from jaxmem.rewrite import rewrite_level
 
 
 def _check_deepest_level(name: str, quick: bool) -> None:
-    case = {**CASES, **KINDS}[name](quick)
+    case = {**CASES, **KINDS, **STYLES}[name](quick)
     args = (case.state, *case.data)
     f = jaxmem.jit(case.step, polymorphic_shapes=case.polymorphic_shapes,
                    constraints=case.constraints)
@@ -35,14 +37,21 @@ def _check_deepest_level(name: str, quick: bool) -> None:
 
 
 def _assert_same(got: object, want: object) -> None:
-    """Leaf by leaf to float32 rounding; typed PRNG keys by their key data."""
+    """Leaf by leaf to float32 rounding; typed PRNG keys by their key data. In a program
+    with low-precision leaves, to bfloat16 rounding at unit scale: a bfloat16 chain
+    recomputed in another fusion may round a gradient one step apart, which moves the
+    float32 moments computed from it, and Adam's normalised update of a near-zero
+    gradient by up to twice the learning rate."""
+    low = any(x.dtype in (jnp.bfloat16, jnp.float16) for x in jax.tree.leaves(want))
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x, y = jax.random.key_data(x), jax.random.key_data(y)
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        atol = 1e-2 * float(np.max(np.abs(y), initial=1.0)) if low else 1e-5
+        np.testing.assert_allclose(x, y, rtol=1e-2 if low else 1e-5, atol=atol)
 
 
-TRAIN = sorted((set(CASES) | set(KINDS)) - {"eval"})
+TRAIN = sorted((set(CASES) | set(KINDS) | set(STYLES)) - {"eval"})
 
 
 @pytest.mark.parametrize("name", TRAIN)
@@ -71,7 +80,7 @@ def test_every_levels_concrete_rewrite_reruns_what_its_model_reruns(name: str) -
     # Each level's memory model is built on the symbolic trace's rewrite; what runs is
     # the same plan applied to the concrete trace. They disagreed on a BatchNorm MLP (the
     # symbolic trace kept what the concrete one rebuilt): a level predicted +38.8 %.
-    case = {**CASES, **KINDS}[name](True)
+    case = {**CASES, **KINDS, **STYLES}[name](True)
     args = (case.state, *case.data)
     f = jaxmem.jit(case.step, polymorphic_shapes=case.polymorphic_shapes,
                    constraints=case.constraints)
