@@ -19,9 +19,10 @@ def jit(fun: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
         constraints: e.g. ``("b <= 16", "s <= 512")``.
         budget_bytes: memory budget per device in bytes, or None for no limit.
         scheduler: a :class:`~jaxmem.Scheduler`; None means ``schedulers.MemoryAware()``.
-        donate_argnums, static_argnums, static_argnames, in_shardings, out_shardings: as
-            for ``jax.jit``; keyword arguments of a call are traced without symbolic
-            dims (:mod:`jaxmem.dispatch.keywords`).
+        donate_argnums, donate_argnames, static_argnums, static_argnames, in_shardings,
+            out_shardings: as for ``jax.jit``; keyword arguments of a call are traced
+            without symbolic dims (:mod:`jaxmem.dispatch.keywords`), and one passed by
+            keyword is not donated.
         symbolic: False runs the fallback-only ablation.
         offload: plan moving residuals to host memory (``pinned_host``) as well as
             recomputing them. None (default): not on any backend for now (on an H200

@@ -11,14 +11,16 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import os
 import pathlib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
 
+from jaxmem.dispatch.keywords import check_argnames
 from jaxmem.errors import ShapeOutOfRangeError
 from jaxmem.plan.offload import Costs
 from jaxmem.schedulers import Scheduler
@@ -141,3 +143,21 @@ def check_cache_dir(cache_dir: Any) -> pathlib.Path | None:
         raise ValueError(f"cache_dir must name a directory (it is made if missing), got "
                          f"{str(cache_dir)!r}")
     return path
+
+
+def donated_positions(fun: Callable[..., Any], argnums: Sequence[int],
+                      names: str | Iterable[str]) -> tuple[int, ...]:
+    """``donate_argnums`` with ``donate_argnames`` resolved to the positions of ``fun``'s
+    parameters of those names, as ``jax.jit`` resolves them (ValueError naming one that
+    is no positional parameter). An argument passed by keyword is not donated: jaxmem
+    traces the keyword arguments as one dict."""
+    names = check_argnames(names)
+    if not names:
+        return tuple(argnums)
+    params = [p.name for p in inspect.signature(fun).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for n in names:
+        if n not in params:
+            raise ValueError(f"donate_argnames names {n!r}, which is not a positional "
+                             f"parameter of {getattr(fun, '__name__', fun)!r} ({params})")
+    return tuple(sorted({*argnums, *(params.index(n) for n in names)}))

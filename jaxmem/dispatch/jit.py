@@ -44,6 +44,7 @@ from jaxmem.dispatch.checks import (
     check_constraints,
     check_shapes,
     consumed,
+    donated_positions,
     is_resource_exhausted,
     split_args,
 )
@@ -80,6 +81,7 @@ class Jitted:
     def __init__(self, fun: Callable[..., Any], *, polymorphic_shapes: Any = None,
                  constraints: Sequence[str] = (), budget_bytes: int | None = None,
                  scheduler: Scheduler | None = None, donate_argnums: int | Iterable[int] = (),
+                 donate_argnames: str | Iterable[str] = (),
                  static_argnums: int | Iterable[int] = (),
                  static_argnames: str | Iterable[str] = (), in_shardings: Any = None,
                  out_shardings: Any = None, symbolic: bool = True,
@@ -93,7 +95,9 @@ class Jitted:
         self.constraints = check_constraints(constraints)
         self.budget_bytes = check_budget(budget_bytes)
         self.scheduler = scheduler if scheduler is not None else MemoryAware()
-        self.donate_argnums = check_argnums("donate_argnums", donate_argnums)
+        self._axis = getattr(self.scheduler, "axis", "b")  # the dim microbatching splits
+        self.donate_argnums = donated_positions(
+            fun, check_argnums("donate_argnums", donate_argnums), donate_argnames)
         self.static_argnums = check_argnums("static_argnums", static_argnums)
         self.static_argnames = check_argnames(static_argnames)
         self.in_shardings = in_shardings
@@ -221,11 +225,6 @@ class Jitted:
                 self.fun, static, dynamic, self.static_argnums, self.polymorphic_shapes,
                 self.constraints, self.scheduler, self.donate_argnums, self.symbolic,
                 self.offload, self.offload_costs, planner)))
-
-    @property
-    def _axis(self) -> str:
-        """The dim a microbatching scheduler splits."""
-        return getattr(self.scheduler, "axis", "b")
 
     def _options(self, analysis: Analysis) -> CompileOptions:
         return CompileOptions(analysis.donate_dynamic, self.in_shardings, self.out_shardings)
