@@ -74,7 +74,19 @@ def copied_operands(graph: Graph, node: Node, owner: Mapping[int, int]) -> list[
                                   _without_unit_dims(vals[1].shape, rc, rb))
     ok = _canonical_dot_operands(((lc, rc), (lb, rb)), (lr, rr))
     return [v.id for v, fine, rank in zip(vals, ok, (lr, rr), strict=True)
-            if not fine and rank >= 3]
+            if not fine and rank >= 3 and not _laid_out_for(graph, owner, v.id, node)]
+
+
+def _laid_out_for(graph: Graph, owner: Mapping[int, int], v: int, dot: Node) -> bool:
+    """Whether ``v`` is a transpose's own buffer that ``dot`` is its only dot reader: XLA's
+    layout assignment has the transpose write the layout the dot reads (per-example
+    weight gradients under ``vmap``, transposed batch-first, summed and averaged by an
+    einsum: one ``copy`` of each, not a transpose and a copy of it)."""
+    p = graph.producers.get(v)
+    if p is None or graph.nodes[p].primitive != "transpose" or owner.get(v, v) != v:
+        return False
+    dots = [c for c in graph.consumers.get(v, ()) if graph.nodes[c].primitive == "dot_general"]
+    return dots == [dot.index]
 
 
 def _without_unit_dims(shape: tuple, contracting: tuple, batch: tuple
