@@ -145,7 +145,7 @@ class _ConvNet(nn.Module):
 
 def cnn_case(quick: bool) -> Case:
     """The linen classifier on ``(b, 8 h, 8 h, 3)`` images (side a multiple of 8)."""
-    b, side = (2, 16) if quick else (16, 32)
+    b, side = (4, 16) if quick else (16, 32)
     model = _ConvNet()
     rng = np.random.default_rng(0)
     images = jnp.asarray(rng.normal(size=(b, side, side, 3)), jnp.float32)

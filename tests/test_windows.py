@@ -183,3 +183,28 @@ def test_both_gradients_of_a_convolution_follow_xlas_copies_and_order() -> None:
                          == sym("b")]
     (weight_gradient,) = [i for i in convs[1:] if i != input_gradient]
     assert order.index(input_gradient) < order.index(weight_gradient)
+
+
+def _skip_net_gradient(x, w1, w2, w3):
+    def loss(ws):
+        w1, w2, w3 = ws
+        h1 = jax.nn.relu(_conv(x, w1))
+        h2 = jax.nn.relu(_conv(h1, w2))
+        return jnp.sum(_conv(jnp.concatenate([h1, h2], -1), w3) ** 2)
+    return jax.grad(loss)((w1, w2, w3))
+
+
+def test_kernel_gradients_read_copies_made_in_the_forward_pass() -> None:
+    # The kernel gradients' convolutions read the ReLUs and the skip concatenate through
+    # copies XLA makes as soon as each is written; the ReLUs and the concatenate then die
+    # after their forward readers. Held to the backward pass besides: +34 % on a U-Net.
+    specs = lambda n: (_f32(n, 32, 32, 8), _f32(3, 3, 8, 16), _f32(3, 3, 16, 16),  # noqa: E731
+                       _f32(3, 3, 32, 8))
+    errors = _errors(_skip_net_gradient, specs)
+    assert all(abs(e) <= 0.03 for e in errors), errors
+    (b,) = jax.export.symbolic_shape("b")
+    g = build_graph(jax.make_jaxpr(_skip_net_gradient)(*specs(b)))
+    reads: set[tuple[int, int]] = set()
+    conv_copies(g, xla_order(g, "cpu"), lambda v: g.values[v].nbytes, reads)
+    read = {g.nodes[g.producers[v]].primitive for _, v in reads if v in g.producers}
+    assert {"max", "concatenate"} <= read

@@ -101,9 +101,9 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     copied: set[tuple[int, int]] = set()
     copies = transposed_copies(graph, order, owner, size, copied, used, pairs)
     base, copied = _copied_early(graph, order, owner, used, copies, copied)
+    convs = conv_copies(graph, order, size, copied)
     first_def, last_use = _definitions_and_uses(graph, order, owner, srcs, used, copied,
                                                 backend, duplicated)
-    convs = conv_copies(graph, order, size)
     for x in (*copies, *convs):  # a copied operand is read when its copy is made
         for v in _copy_reads(graph, x, base, srcs, owner):
             last_use[v] = max(last_use.get(v, x.start), x.start)
