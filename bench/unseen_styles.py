@@ -20,7 +20,11 @@ session's fixes (``tied``, ``dpsgd``):
 * ``misc``: grouped-query ``jax.nn.dot_product_attention`` with a distance bias, a
   ``jax.custom_jvp`` activation, spectral normalisation by power iteration in a
   ``lax.while_loop`` (under ``stop_gradient``), dropout keys split in the step and
-  carried in the state.
+  carried in the state;
+* ``unet``: a Flax linen 1D U-Net (strided and transposed convolutions, concatenated
+  skips) over length ``4 k``, under Adam;
+* ``cls``: an encoder over ``uint8`` features with a random crop by ``dynamic_slice`` at
+  a traced offset and a CLS token (``s + 1`` positions), under AdamW.
 
 Example:
     >>> case = STYLES["dpsgd"](True)
@@ -34,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -321,8 +326,75 @@ def misc_case(quick: bool) -> Case:
                 (None, "b, s"), (f"b <= {b}", f"s <= {s}", "s >= 2"))
 
 
+class _UNet1D(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h1 = nn.relu(nn.Conv(32, (3,))(x))
+        h2 = nn.relu(nn.Conv(64, (3,), strides=(2,))(h1))
+        h3 = nn.relu(nn.Conv(64, (3,), strides=(2,))(h2))
+        u2 = nn.ConvTranspose(64, (3,), strides=(2,))(h3)
+        u2 = nn.relu(nn.Conv(64, (3,))(jnp.concatenate([u2, h2], -1)))
+        u1 = nn.ConvTranspose(32, (3,), strides=(2,))(u2)
+        u1 = nn.relu(nn.Conv(32, (3,))(jnp.concatenate([u1, h1], -1)))
+        return nn.Conv(1, (1,))(u1)
+
+
+def unet_case(quick: bool) -> Case:
+    """A Flax linen 1D U-Net (strided convolutions down, transposed ones up, concatenated
+    skips) regressing a product of its two input channels over length ``4 k``."""
+    b, n = (8, 128) if quick else (16, 256)
+    model = _UNet1D()
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(b, n, 2)), jnp.float32)
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss(p: Any, x: jax.Array) -> jax.Array:
+        y = model.apply({"params": p}, x)[..., 0]
+        return jnp.mean((y - x[..., 0] * x[..., 1]) ** 2)
+
+    opt = optax.adam(1e-3)
+    return Case(optax_step(loss, opt), (params, opt.init(params)), (x,), (None, "b, 4*k, 2"),
+                (f"b <= {b}", f"4*k <= {n}"))
+
+
+def cls_case(quick: bool) -> Case:
+    """An encoder over ``uint8`` features: a random crop by ``dynamic_slice`` at a traced
+    offset, a CLS token concatenated in front (``s + 1`` positions, learned positions
+    sliced to them), pooled with the mean of the rest for a classifier."""
+    layers, (b, s) = _sizes(quick, full_layers=2)
+    params = {**_normal(0, cls=(1, 1, WIDTH), pos=(129, WIDTH), inp=(12, WIDTH),
+                        head=(2 * WIDTH, 10)), "layers": [_layer(k + 1) for k in range(layers)]}
+
+    def loss(p: dict[str, Any], feats: jax.Array, labels: jax.Array, at: jax.Array) -> Any:
+        x = jnp.pad(feats.astype(jnp.float32) / 255.0, ((0, 0), (2, 2), (0, 0)), mode="edge")
+        x = jax.lax.dynamic_slice_in_dim(x, at, feats.shape[1], axis=1) @ p["inp"]
+        cls = jnp.broadcast_to(p["cls"], (x.shape[0], 1, WIDTH))
+        x = jnp.concatenate([cls, x], axis=1)
+        x = x + p["pos"][: x.shape[1]]
+        for q in p["layers"]:
+            h = _heads(x, q)
+            a = jax.nn.dot_product_attention(h[:, :, 0], h[:, :, 1], h[:, :, 2])
+            x = x + a.reshape(x.shape) @ q["o"]
+            x = x + jax.nn.gelu(_norm(x, q["g"]) @ q["up"]) @ q["down"]
+        pooled = jnp.concatenate([x[:, 0], x[:, 1:].mean(1)], -1)
+        return optax.softmax_cross_entropy_with_integer_labels(pooled @ p["head"], labels).mean()
+
+    opt = optax.adamw(1e-3)
+
+    def step(state: Any, feats: jax.Array, labels: jax.Array, key: jax.Array) -> Any:
+        p, opt_state = state
+        value, grads = jax.value_and_grad(loss)(p, feats, labels, jax.random.randint(key, (), 0, 5))
+        updates, opt_state = opt.update(grads, opt_state, p)
+        return (optax.apply_updates(p, updates), opt_state), value
+
+    rng = np.random.default_rng(1)
+    feats = jnp.asarray(rng.integers(0, 256, (b, s, 12)), jnp.uint8)
+    labels = jnp.asarray(rng.integers(0, 10, (b,)), jnp.int32)
+    return Case(step, (params, opt.init(params)), (feats, labels, jax.random.key(3)),
+                (None, "b, s, 12", "b", None), (f"b <= {b}", f"s <= {s}"))
+
+
 STYLES: dict[str, Callable[[bool], Case]] = {
     "tied": tied_case, "dpsgd": dpsgd_case, "packed": packed_case,
     "bf16-params": bf16_params_case, "rnn": rnn_case, "nnx-bn": nnx_bn_case,
-    "misc": misc_case,
+    "misc": misc_case, "unet": unet_case, "cls": cls_case,
 }
