@@ -224,8 +224,11 @@ def measure(name: str, case: Case) -> dict[str, Any]:
 
 
 def _numbers(x: jax.Array) -> jax.Array:
-    """``x``, or a typed PRNG key's data (keys have no arithmetic)."""
-    return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    """``x`` as numbers: a typed PRNG key's data, a ``bool`` as ``int32`` (optax's
+    ``apply_if_finite`` keeps one)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(x)
+    return x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
 
 
 def _levels(planned: jaxmem.Jitted, args: tuple[Any, ...]) -> list[dict[str, int]]:
