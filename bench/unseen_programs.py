@@ -62,7 +62,8 @@ class Case:
     constraints: tuple[str, ...]
 
 
-def _tokens(shape: tuple[int, ...], seed: int = 0) -> jax.Array:
+def tokens(shape: tuple[int, ...], seed: int = 0) -> jax.Array:
+    """Token ids below ``VOCAB``, drawn with numpy's ``seed``."""
     return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, shape), jnp.int32)
 
 
@@ -131,7 +132,7 @@ def accum_case(quick: bool) -> Case:
             x = x + jax.nn.gelu(_layer_norm(x, lp["g"], lp["b"]) @ lp["w1"]) @ lp["w2"]
         return _lm_loss(x, p["emb"], tokens)
 
-    return Case(accumulation_step(loss, opt), (params, opt.init(params)), (_tokens((4, b, s)),),
+    return Case(accumulation_step(loss, opt), (params, opt.init(params)), (tokens((4, b, s)),),
                 (None, "4, b, s"), (f"b <= {b}", f"s <= {s}"))
 
 
@@ -206,7 +207,7 @@ def encdec_case(quick: bool) -> Case:
         optimizer.update(model, grads)
         return nnx.state((model, optimizer)), value
 
-    return Case(step, state, (_tokens((b, s)), _tokens((b, t), 1)), (None, "b, s", "b, t"),
+    return Case(step, state, (tokens((b, s)), tokens((b, t), 1)), (None, "b, s", "b, t"),
                 (f"b <= {b}", f"s <= {s}", f"t <= {t}", "t >= 2"))
 
 
@@ -230,7 +231,7 @@ def moe_case(quick: bool) -> Case:
             x = x + jnp.einsum("bsef,efd,bse->bsd", hidden, lp["w2"], weights)
         return _lm_loss(x, p["emb"], tokens)
 
-    return Case(optax_step(loss, opt), (params, opt.init(params)), (_tokens((b, s)),),
+    return Case(optax_step(loss, opt), (params, opt.init(params)), (tokens((b, s)),),
                 (None, "b, s"), (f"b <= {b}", f"s <= {s}"))
 
 
@@ -259,13 +260,13 @@ def remat_scan_case(quick: bool) -> Case:
     user's own checkpoint, saving nothing inside a layer), under ``optax.adamw``."""
     layers, (b, s) = (2, (4, 32)) if quick else (3, (8, 64))
     model = _RematScanDecoder(layers)
-    params = model.init(jax.random.key(0), _tokens((b, s)))
+    params = model.init(jax.random.key(0), tokens((b, s)))
     opt = optax.adamw(1e-3)
 
     def loss(p: Any, tokens: jax.Array) -> jax.Array:
         return _lm_loss_logits(model.apply(p, tokens), tokens)
 
-    return Case(optax_step(loss, opt), (params, opt.init(params)), (_tokens((b, s)),),
+    return Case(optax_step(loss, opt), (params, opt.init(params)), (tokens((b, s)),),
                 (None, "b, s"), (f"b <= {b}", f"s <= {s}"))
 
 
@@ -328,7 +329,7 @@ def ssm_case(quick: bool) -> Case:
             x = x + (states * jax.nn.gelu(h @ lp["gate"])) @ lp["out"]
         return _lm_loss(x, p["emb"], tokens)
 
-    return Case(optax_step(loss, opt), (params, opt.init(params)), (_tokens((b, s)),),
+    return Case(optax_step(loss, opt), (params, opt.init(params)), (tokens((b, s)),),
                 (None, f"b, {s}"), (f"b <= {b}",))
 
 
@@ -356,7 +357,7 @@ def eval_case(quick: bool) -> Case:
         accuracy = (logits.argmax(-1) == targets).mean()
         return p, (_lm_loss_logits(logits, tokens), accuracy)
 
-    return Case(step, params, (_tokens((b, s)),), (None, "b, s"), (f"b <= {b}", f"s <= {s}"))
+    return Case(step, params, (tokens((b, s)),), (None, "b, s"), (f"b <= {b}", f"s <= {s}"))
 
 
 #: name -> builder of the program's case (``quick``: CI-sized)

@@ -46,17 +46,13 @@ import optax
 from flax import nnx
 
 from bench.programs import optax_step
-from bench.unseen_programs import VOCAB, Case
+from bench.unseen_programs import VOCAB, Case, tokens
 
 WIDTH, HEADS = 64, 4
 
 
 def _sizes(quick: bool, full_layers: int = 3) -> tuple[int, tuple[int, int]]:
     return (1, (2, 16)) if quick else (full_layers, (8, 64))
-
-
-def _tokens(b: int, s: int, seed: int = 0) -> jax.Array:
-    return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, (b, s)), jnp.int32)
 
 
 def _normal(seed: int, **shapes: tuple[int, ...]) -> dict[str, jax.Array]:
@@ -110,7 +106,7 @@ def tied_case(quick: bool) -> Case:
         return (optax.apply_updates(p, updates), opt_state, count + 1), metrics
 
     state = (params, opt.init(params), jnp.zeros((), jnp.int32))
-    return Case(step, state, (_tokens(b, s),), (None, "b, s"),
+    return Case(step, state, (tokens((b, s)),), (None, "b, s"),
                 (f"b <= {b}", f"s <= {s}", "s >= 2"))
 
 
@@ -142,7 +138,7 @@ def dpsgd_case(quick: bool) -> Case:
         updates, opt_state = opt.update(tree.unflatten(noisy), opt_state, p)
         return (optax.apply_updates(p, updates), opt_state), norms.mean()
 
-    return Case(step, (params, opt.init(params)), (_tokens(b, s), jax.random.key(5)),
+    return Case(step, (params, opt.init(params)), (tokens((b, s)), jax.random.key(5)),
                 (None, "b, s", None), (f"b <= {b}", f"s <= {s}", "s >= 2"))
 
 
@@ -171,7 +167,7 @@ def packed_case(quick: bool) -> Case:
     opt = optax.adamw(1e-3)
     segments = np.sort(np.random.default_rng(2).integers(0, 3, (b, s)), 1)
     return Case(optax_step(loss, opt), (params, opt.init(params)),
-                (_tokens(b, s), jnp.asarray(segments, jnp.int32)), (None, "b, 8*k", "b, 8*k"),
+                (tokens((b, s)), jnp.asarray(segments, jnp.int32)), (None, "b, 8*k", "b, 8*k"),
                 (f"b <= {b}", f"8*k <= {s}"))
 
 
@@ -198,7 +194,7 @@ def bf16_params_case(quick: bool) -> Case:
 
     opt = optax.adam(1e-3, mu_dtype=jnp.float32)
     mask = np.random.default_rng(3).random((b, s)) > 0.2
-    batch = {"inputs": _tokens(b, s), "targets": _tokens(b, s, 1),
+    batch = {"inputs": tokens((b, s)), "targets": tokens((b, s), 1),
              "mask": jnp.asarray(mask, jnp.float32)}
     spec = {"inputs": "b, s", "targets": "b, s", "mask": "b, s"}
     return Case(optax_step(loss, opt), (params, opt.init(params)), (batch,), (None, spec),
@@ -227,7 +223,7 @@ def rnn_case(quick: bool) -> Case:
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     opt = optax.sgd(0.1, momentum=0.9)
-    return Case(optax_step(loss, opt), (params, opt.init(params)), (_tokens(b, s),),
+    return Case(optax_step(loss, opt), (params, opt.init(params)), (tokens((b, s)),),
                 (None, "b, s"), (f"b <= {b}", f"s <= {s}", "s >= 2"))
 
 
@@ -262,7 +258,7 @@ def nnx_bn_case(quick: bool) -> Case:
         opt.update(model, grads)
         return nnx.state((model, opt)), value
 
-    return Case(step, state, (_tokens(b, s),), (None, "b, s"),
+    return Case(step, state, (tokens((b, s)),), (None, "b, s"),
                 (f"b <= {b}", f"s <= {s}", "s >= 2"))
 
 
@@ -322,7 +318,7 @@ def misc_case(quick: bool) -> Case:
         updates, opt_state = opt.update(grads, opt_state, p)
         return (optax.apply_updates(p, updates), opt_state, key), value
 
-    return Case(step, (params, opt.init(params), jax.random.key(7)), (_tokens(b, s),),
+    return Case(step, (params, opt.init(params), jax.random.key(7)), (tokens((b, s)),),
                 (None, "b, s"), (f"b <= {b}", f"s <= {s}", "s >= 2"))
 
 

@@ -21,7 +21,7 @@ import sympy
 
 from jaxmem.graph import Graph, Node
 from jaxmem.memory.fusion import Extra, element_count
-from jaxmem.memory.library import from_rows, itemsize
+from jaxmem.memory.library import from_rows
 
 
 def epilogue_broadcasts(graph: Graph, order: Sequence[int], owner: dict[int, int],
@@ -122,7 +122,7 @@ def _broadcast_operands(graph: Graph, e: Node, region: set[int], owner: dict[int
         # A library dot's fusion exists from its threshold on (attention's 1/sum
         # broadcast at (2, 512): read in place by a loop fusion).
         gate = from_rows(small) if _library_dot(graph, graph.nodes[dot]) else 1
-        out.append(Extra(x, sympy.expand(size * itemsize(graph, e.outputs[0]) * gate), start, here,
+        out.append(Extra(x, sympy.expand(graph.values[e.outputs[0]].nbytes * gate), start, here,
                          "broadcast epilogue operand"))
     return out
 

@@ -161,8 +161,7 @@ def max_pool_gradient_buffers(graph: Graph, order: Sequence[int], used: Sequence
         if node.primitive != "select_and_scatter_add" or not used[ni] or len(node.inputs) != 2:
             continue
         source, operand = (graph.values[v] for v in node.inputs)
-        elems, pooled, rank = (sympy.Mul(*operand.shape), sympy.Mul(*source.shape),
-                               len(operand.shape))
+        pooled, rank = sympy.Mul(*source.shape), len(operand.shape)
         item_bytes = itemsize(graph, operand.id)
         producer = graph.producers.get(operand.id)
         window, p = (0 if producer is None else pos[producer] + 1), pos[ni]
@@ -173,7 +172,7 @@ def max_pool_gradient_buffers(graph: Graph, order: Sequence[int], used: Sequence
         out.append(Extra(operand.id, sympy.expand(rank * _INDEX_BYTES * pooled),
                          min(window + 1, p), p, "max-pool gradient: selected indices"))
         if p > 0 and node.outputs[0] not in results:  # a result's zeros are in the output
-            out.append(Extra(node.outputs[0], sympy.expand(item_bytes * elems), 0, p - 1,
+            out.append(Extra(node.outputs[0], sympy.expand(operand.nbytes), 0, p - 1,
                              "max-pool gradient: zeros the scatter adds into"))
     out.extend(Extra(v, sympy.expand(len(shape) * _INDEX_BYTES * sympy.Mul(*shape)), 0, end,
                      "max-pool gradient: iota of an operand dim") for shape, (v, end)
