@@ -18,7 +18,7 @@ import pytest
 import jaxmem
 from jaxmem.graph import build_graph
 from jaxmem.memory import liveness, memory_model
-from jaxmem.memory.precision import upcast_dots
+from jaxmem.memory.precision import buffer_sizes, upcast_dots
 from jaxmem.symbolic import ShapeDomain
 
 BF, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -210,3 +210,22 @@ def test_a_held_f16_dot_result_stays_float32_to_its_last_elementwise_reader() ->
     levels = [step.compile_level(k, *args) for k in range(len(step.plans(*args).levels))]
     errors = [lv.predicted_peak_bytes / lv.peak_bytes - 1 for lv in levels]
     assert len(levels) >= 3 and max(map(abs, errors)) <= 0.10, errors
+
+
+@cpu_only
+@pytest.mark.parametrize(("readers", "narrow"), [(1, False), (2, True)])
+def test_a_bf16_dot_result_read_by_two_fusions_is_written_narrow(readers, narrow) -> None:
+    # One reader fuses the convert and reads the float32 result; two readers in fusions
+    # of their own read one bf16 ``wrapped_convert`` of it, which XLA's HLO shows.
+    def fn(x, w):
+        h = x @ w
+        return (jnp.sin(h), *[jnp.cos(h) for _ in range(readers - 1)])
+
+    specs = (S((512, 256), BF), S((256, 256), BF))
+    txt = jax.jit(fn).lower(*specs).compile().as_text()
+    xla_narrow = re.search(r"wrapped_convert[.\d]* = bf16\[512,256\]", txt) is not None
+    g = build_graph(jax.make_jaxpr(fn)(*specs))
+    dot = next(n for n in g.nodes if n.primitive == "dot_general")
+    owner = {v: v for v in range(len(g.values))}
+    widened = dot.outputs[0] in buffer_sizes(g, owner, "cpu")
+    assert xla_narrow == narrow and widened == (not narrow), (xla_narrow, widened)

@@ -12,8 +12,8 @@ from hlo_passes.timeline import buffer_timeline
 from jaxmem.graph import build_graph
 from jaxmem.memory import liveness, memory_model
 from jaxmem.memory.fusion import materialised
-from jaxmem.memory.readers import duplicated_bias_adds, reads
-from jaxmem.symbolic import sym
+from jaxmem.memory.readers import duplicated_bias_adds, reads, shared_squares
+from jaxmem.symbolic import ShapeDomain, sym
 
 B = sym("b")
 
@@ -108,3 +108,31 @@ def test_a_kept_bias_add_is_read_through_its_operands_by_element_wise_readers() 
     readers = [g.nodes[c] for c in g.consumers[adds[0].outputs[0]]
                if g.nodes[c].kind == "elementwise"]
     assert readers and all(dot.outputs[0] in reads(r, added) for r in readers)
+
+
+def _bf16_gelu_mlp(ws, x):
+    for w1, w2 in ws:
+        x = x + jax.nn.gelu(x @ w1.astype(jnp.bfloat16)) @ w2.astype(jnp.bfloat16)
+    return jnp.mean(x.astype(jnp.float32) ** 2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_bf16_square_a_cube_shares_is_kept(dtype) -> None:
+    """The tanh GELU's ``h ** 3`` and its derivative's ``h ** 2`` share ``h * h`` after
+    XLA's CSE: a bf16 square is then kept for the backward pass (the model was 4-5 %
+    over XLA on this step without it and the narrow bf16 dot results beside it)."""
+    step = jax.grad(lambda ws, x: _bf16_gelu_mlp(ws, x.astype(dtype)))
+    g = graph_of(step, [(jnp.zeros((128, 512)), jnp.zeros((512, 128)))] * 2,
+                 jax.ShapeDtypeStruct((8, 128), dtype))
+    assert bool(shared_squares(g)) == (dtype == jnp.bfloat16)
+    if dtype != jnp.bfloat16:
+        return
+    for rows in (512, 2048):
+        specs = ([(jax.ShapeDtypeStruct((128, 512), jnp.float32),
+                   jax.ShapeDtypeStruct((512, 128), jnp.float32))] * 2,
+                 jax.ShapeDtypeStruct((rows, 128), dtype))
+        g = graph_of(step, *specs)
+        xla = jaxmem.xla_peak_bytes(jax.jit(step).lower(*specs).compile())
+        predicted = int(memory_model(g, ShapeDomain.from_constraints((), ()),
+                                     backend="cpu").peak_bytes)
+        assert abs(predicted / xla - 1) <= 0.03, (rows, predicted, xla)

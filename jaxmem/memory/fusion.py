@@ -30,7 +30,7 @@ from jaxmem.graph import EXPENSIVE, Graph, Node
 from jaxmem.memory.copies import copied_operands, copy_start, dot_copies, head_projection
 from jaxmem.memory.fillers import added_updates, sunk_broadcasts
 from jaxmem.memory.library import element_count, pooling_fusions
-from jaxmem.memory.readers import erfc_shared_exps, low_precision_arithmetic
+from jaxmem.memory.readers import erfc_shared_exps, low_precision_arithmetic, shared_squares
 
 
 class Extra(NamedTuple):
@@ -50,7 +50,7 @@ def materialised(graph: Graph) -> dict[int, int]:
     that can fuse it (elementwise ops and reductions) and takes no buffer, unless it is
     an output, feeds an op that needs its operands in memory (dots, gathers, control
     flow, ...), or is read by more than one consumer and is expensive to recompute
-    (``EXPENSIVE``, unless its readers meet in one op: :func:`_converges`) or a
+    (``EXPENSIVE``, unless its readers meet in one op: :func:`converges`) or a
     reduction reads it (:func:`_reduced_through`). Folded in: a pad
     into the windows reading it (a view), a zeroed slice update into the add reading
     it (:func:`added_updates`), exps into readers the jaxpr does not show (``merged``).
@@ -59,7 +59,7 @@ def materialised(graph: Graph) -> dict[int, int]:
     owner: dict[int, int] = {v: v for v in graph.inputs}
     sunk, folded = sunk_broadcasts(graph), _folded_pads(graph)
     pooled, pool_operands = pooling_fusions(graph)
-    merged, added = erfc_shared_exps(graph), added_updates(graph)
+    merged, added = erfc_shared_exps(graph) | shared_squares(graph), added_updates(graph)
 
     def real_consumer_kinds(v: int) -> list[str]:
         kinds = []
@@ -115,16 +115,16 @@ def _shared_fusible(graph: Graph, n: Node, o: int, kinds: list[str], merged: boo
     through a weight gradient's copy (:func:`_copy_readers`). A cheap one reading several
     buffers is fused where its readers meet only where its result reaches such a copy."""
     if n.primitive in EXPENSIVE:
-        return (not merged and n.primitive != "div" and _converges(graph, o, outputs)
+        return (not merged and n.primitive != "div" and converges(graph, o, outputs)
                 and not low_precision_arithmetic(graph, n, o)
                 and _copy_readers(graph, o, owner) < 2)
     if "reduce" in kinds or low_precision_arithmetic(graph, n, o) or _reduced_through(graph, o):
         return False
-    return _effectively_unary(graph, n) or (_converges(graph, o, outputs)
+    return _effectively_unary(graph, n) or (converges(graph, o, outputs)
                                             and _copy_readers(graph, o, owner) > 0)
 
 
-def _converges(graph: Graph, v: int, outputs: set[int], steps: int = 24) -> bool:
+def converges(graph: Graph, v: int, outputs: set[int], steps: int = 24) -> bool:
     """Whether every path from ``v``'s readers meets in one elementwise op through
     elementwise ops only: XLA's loop fusion grown from that op takes ``v`` and all its
     readers in, duplicating nothing (a GELU backward from a rebuilt pre-activation to

@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 import sympy
 
 from jaxmem.graph import Graph
-from jaxmem.memory.fusion import Extra, element_count
+from jaxmem.memory.fusion import Extra, converges, element_count
 
 #: dtypes XLA may widen to float32
 LOW_PRECISION = ("bfloat16", "float16")
@@ -139,8 +139,10 @@ def _replaced(graph: Graph, owner: Mapping[int, int], o: int, dots: set[int]) ->
 
 def _held_narrow(graph: Graph, owner: Mapping[int, int], v: int) -> bool:
     """Whether dot result ``v`` is kept at its own low precision: it is a program output,
-    a loop or an output view reads it, or an optimization barrier does beside other
-    readers. XLA cannot
+    a loop or an output view reads it, an optimization barrier does beside other
+    readers, or (bfloat16) readers that do not meet in one element-wise op do: XLA then
+    writes one ``wrapped_convert`` they all read (measured, jax 0.10.2: ``sin(h)`` and
+    ``cos(h)`` as two outputs; the forward and backward readers of a GELU's input). XLA cannot
     fuse the convert after the float32 dot into those, so the convert is written and
     the float32 result dies at once (measured: a segment plan's barrier over a bf16
     Llama's saved MLP projections holds ``wrapped_convert`` bf16 buffers). A barrier
@@ -150,7 +152,9 @@ def _held_narrow(graph: Graph, owner: Mapping[int, int], v: int) -> bool:
                 if r is not None and graph.nodes[r].primitive == "optimization_barrier"}
     return (v in graph.outputs
             or any(r is None or graph.nodes[r].kind == "control" for r in readers)
-            or 0 < len(barriers) < len(readers))
+            or 0 < len(barriers) < len(readers)
+            or (graph.values[v].dtype == "bfloat16" and len(readers) > 1
+                and not converges(graph, v, set(graph.outputs))))
 
 
 def _widened_reader(graph: Graph, owner: Mapping[int, int], r: int | None) -> bool:

@@ -2,7 +2,7 @@
 
 :func:`jaxmem.memory.fusion.materialised` recomputes a cheap element-wise value in
 each reader, as XLA's fusion pass does. Two kinds it must keep instead:
-:func:`erfc_shared_exps`, whose readers XLA's CSE adds, and
+:func:`erfc_shared_exps` and :func:`shared_squares`, whose readers XLA's CSE adds, and
 :func:`low_precision_arithmetic`, which XLA's CPU backend does not duplicate. The
 other way round, :func:`distinct_full_operands` counts an op's operands as XLA's CSE
 leaves them: an op whose operands are one XLA does duplicate.
@@ -64,6 +64,32 @@ def erfc_shared_exps(graph: Graph) -> frozenset[int]:
         if negated is not None and source(negated, "square") in erfc_inputs:
             out.update(n.outputs)
     return frozenset(out)
+
+
+def _power(node: Node) -> int | None:
+    """The exponent of an ``integer_pow`` or ``square`` node, else None."""
+    if node.primitive == "square":
+        return 2
+    if node.primitive != "integer_pow" or node.eqn is None:
+        return None
+    return node.eqn.params.get("y")
+
+
+def shared_squares(graph: Graph) -> frozenset[int]:
+    """``x ** 2`` values XLA's CSE also hands to an ``x ** k`` (``k >= 3``) of the same
+    ``x``: JAX lowers integer powers to products by repeated squaring, so both compute
+    ``x * x`` and the CSE merges them, one more reader than the jaxpr shows (measured,
+    jax 0.10.2: the ``3 * h ** 2`` of a bfloat16 tanh-GELU's derivative reads a forward
+    ``h ** 2`` buffer that the ``h ** 3`` shares). Only bfloat16 squares: in float32 and
+    float16 XLA recomputes the square in each reader all the same (the same GELU)."""
+    by_base: dict[int, list[tuple[int, int]]] = {}
+    for n in graph.nodes:
+        y = _power(n)
+        if (y is not None and n.inputs and n.outputs
+                and graph.values[n.outputs[0]].dtype == "bfloat16"):
+            by_base.setdefault(n.inputs[0], []).append((y, n.outputs[0]))
+    return frozenset(v for powers in by_base.values() if any(y >= 3 for y, _ in powers)
+                     for y, v in powers if y == 2)
 
 
 #: elementwise primitives whose operands XLA's CSE compares as a multiset
