@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -49,23 +50,32 @@ Item = tuple[sympy.Expr, int]  # (size, count)
 
 def fit_step(e: sympy.Expr, k: sympy.Expr, dom: ShapeDomain,
           tally: collections.Counter[str], cache: dict, symbolic: bool = True) -> sympy.Expr:
-    """1 where a temporary of size ``e`` fits an allocation of size ``k``, else 0."""
+    """1 where a temporary of size ``e`` fits an allocation of size ``k``, else 0.
+
+    ``cache``: the caller's memo; each decision it has not seen is counted in ``tally``
+    by what decided it.
+    """
     key = (e, k)
     if key not in cache:
-        mono = _monotone_fit(e, k, dom) if symbolic else None
-        if mono is not None:
-            tally["symbolic"] += 1
-            cache[key] = mono
-            return mono
-        c = compare(e, k, dom, symbolic=symbolic)
-        tally[c.decided_by] += 1
-        if c.result in (Cmp.LT, Cmp.LE, Cmp.EQ):
-            cache[key] = sympy.Integer(1)
-        elif c.result == Cmp.GT:
-            cache[key] = sympy.Integer(0)
-        else:
-            cache[key] = sympy.Piecewise((1, sympy.Le(e, k)), (0, True))
+        cache[key], decided_by = _fit_decision(e, k, dom, symbolic)
+        tally[decided_by] += 1
     return cache[key]
+
+
+@functools.lru_cache(maxsize=65536)
+def _fit_decision(e: sympy.Expr, k: sympy.Expr, dom: ShapeDomain, symbolic: bool
+                  ) -> tuple[sympy.Expr, str]:
+    """:func:`fit_step`'s step and what decided it, shared by every memory model of a
+    step: the levels' models ask about the same sizes and allocations."""
+    mono = _monotone_fit(e, k, dom) if symbolic else None
+    if mono is not None:
+        return mono, "symbolic"
+    c = compare(e, k, dom, symbolic=symbolic)
+    if c.result in (Cmp.LT, Cmp.LE, Cmp.EQ):
+        return sympy.Integer(1), c.decided_by
+    if c.result == Cmp.GT:
+        return sympy.Integer(0), c.decided_by
+    return sympy.Piecewise((1, sympy.Le(e, k)), (0, True)), c.decided_by
 
 
 def _monotone_fit(e: sympy.Expr, k: sympy.Expr, dom: ShapeDomain) -> sympy.Expr | None:
