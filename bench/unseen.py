@@ -60,6 +60,7 @@ from bench.outputs import TextTable, add_output_arguments
 from bench.unseen_kinds import KINDS
 from bench.unseen_programs import CASES, Case
 from bench.unseen_styles import STYLES
+from bench.unseen_sweep import SWEEP
 
 D, VOCAB = 64, 128
 BUDGET_FRACTION = 0.6
@@ -256,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"{layers} layers at b={b}, s={s} (decoders; bench.unseen_programs for the others); "
         f"budget {BUDGET_FRACTION}x plain jax.jit's peak")
     rows = []
-    others = {**CASES, **KINDS, **STYLES}  # kinds and styles run when named (sessions 31, 36)
+    others = {**CASES, **KINDS, **STYLES, **SWEEP}  # these three run when named (31, 36, 37)
     for name in args.programs.split(","):
         if name not in PROGRAMS and name not in others:
             raise SystemExit(f"--programs: unknown program {name!r}; known: "

@@ -1,6 +1,6 @@
-"""bench.unseen_programs, bench.unseen_kinds and bench.unseen_styles: programs written
-apart from jaxmem run under ``jaxmem.jit`` exactly as under ``jax.jit`` at their deepest
-level; at full size XLA puts that level's peak below level 0's. The eval step (no
+"""bench.unseen_programs, bench.unseen_kinds, bench.unseen_styles and bench.unseen_sweep:
+programs written apart from jaxmem run under ``jaxmem.jit`` exactly as under ``jax.jit``
+at their deepest level; at full size XLA puts that level's peak below level 0's. The eval step (no
 gradient, nothing to recompute: one level) runs exactly as under ``jax.jit``."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jaxmem
 from bench.unseen_kinds import KINDS
 from bench.unseen_programs import CASES
 from bench.unseen_styles import STYLES
+from bench.unseen_sweep import SWEEP
 from jaxmem.dispatch.bind import bind_dims
 from jaxmem.graph import Graph
 from jaxmem.plan.segments import batch_inputs, find_segments
@@ -23,7 +24,7 @@ from jaxmem.rewrite import rewrite_level
 
 
 def _check_deepest_level(name: str, quick: bool) -> None:
-    case = {**CASES, **KINDS, **STYLES}[name](quick)
+    case = {**CASES, **KINDS, **STYLES, **SWEEP}[name](quick)
     args = (case.state, *case.data)
     f = jaxmem.jit(case.step, polymorphic_shapes=case.polymorphic_shapes,
                    constraints=case.constraints)
@@ -51,7 +52,7 @@ def _assert_same(got: object, want: object) -> None:
         np.testing.assert_allclose(x, y, rtol=1e-2 if low else 1e-5, atol=atol)
 
 
-TRAIN = sorted((set(CASES) | set(KINDS) | set(STYLES)) - {"eval"})
+TRAIN = sorted((set(CASES) | set(KINDS) | set(STYLES) | set(SWEEP)) - {"eval"})
 
 
 @pytest.mark.parametrize("name", TRAIN)
@@ -80,7 +81,7 @@ def test_every_levels_concrete_rewrite_reruns_what_its_model_reruns(name: str) -
     # Each level's memory model is built on the symbolic trace's rewrite; what runs is
     # the same plan applied to the concrete trace. They disagreed on a BatchNorm MLP (the
     # symbolic trace kept what the concrete one rebuilt): a level predicted +38.8 %.
-    case = {**CASES, **KINDS, **STYLES}[name](True)
+    case = {**CASES, **KINDS, **STYLES, **SWEEP}[name](True)
     args = (case.state, *case.data)
     f = jaxmem.jit(case.step, polymorphic_shapes=case.polymorphic_shapes,
                    constraints=case.constraints)
