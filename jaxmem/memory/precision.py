@@ -12,7 +12,10 @@ float32 result (measured on jax 0.10.2: ``bf16 x bf16 -> bf16`` and every
   forward and backward dots of a layer share one float32 copy of its weight and
   of its input). Where nothing else reads the low-precision buffer, its producer
   fuses into that convert and the float32 buffer replaces it;
-* its result buffer is float32, twice the jaxpr's bytes.
+* its result buffer is float32, twice the jaxpr's bytes, unless XLA writes the convert
+  after it (a result held narrow: an output, a barrier's, one that bfloat16 readers in
+  several fusions read); a float16 one held narrow stays float32 until its last
+  element-wise reader, each of which converts it itself.
 
 Low-precision arithmetic runs in float32 too, a convert to the low type after it.
 Where a reader converts such a result back to float32 (a norm over a bfloat16
@@ -138,15 +141,16 @@ def _replaced(graph: Graph, owner: Mapping[int, int], o: int, dots: set[int]) ->
 
 
 def _held_narrow(graph: Graph, owner: Mapping[int, int], v: int) -> bool:
-    """Whether dot result ``v`` is kept at its own low precision: it is a program output,
-    a loop or an output view reads it, an optimization barrier does beside other
-    readers, or (bfloat16) readers that do not meet in one element-wise op do: XLA then
-    writes one ``wrapped_convert`` they all read (measured, jax 0.10.2: ``sin(h)`` and
-    ``cos(h)`` as two outputs; the forward and backward readers of a GELU's input). XLA cannot
-    fuse the convert after the float32 dot into those, so the convert is written and
-    the float32 result dies at once (measured: a segment plan's barrier over a bf16
-    Llama's saved MLP projections holds ``wrapped_convert`` bf16 buffers). A barrier
-    that is the only reader gets the float32 result, the convert sunk past it."""
+    """Whether dot result ``v`` is kept at its own low precision: XLA writes the convert
+    after the float32 dot, and the float32 result dies at once, where it cannot fuse that
+    convert into the readers. So for a program output, a result a loop or an output view
+    reads, and one an optimization barrier reads beside other readers (measured: a
+    segment plan's barrier over a bf16 Llama's saved MLP projections holds
+    ``wrapped_convert`` bf16 buffers); a barrier that is the only reader gets the float32
+    result, the convert sunk past it. And for a bfloat16 result whose readers do not meet
+    in one element-wise op: one ``wrapped_convert`` they all read (measured, jax 0.10.2:
+    ``sin(h)`` and ``cos(h)`` as two outputs; the forward and backward readers of a
+    GELU's input)."""
     readers = set(_readers(graph, owner, v))
     barriers = {r for r in readers
                 if r is not None and graph.nodes[r].primitive == "optimization_barrier"}
