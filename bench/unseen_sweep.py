@@ -60,8 +60,8 @@ def _normal(seed: int, shapes: Any) -> Any:
                                      for s in leaves])
 
 
-def _lm_case(quick: bool, seed: int, loss: Callable[..., jax.Array],
-             opt: optax.GradientTransformation, params: Any) -> Case:
+def _lm_case(quick: bool, loss: Callable[..., jax.Array], opt: optax.GradientTransformation,
+             params: Any) -> Case:
     b, s = (2, 16) if quick else (8, 64)
     return Case(optax_step(loss, opt), (params, opt.init(params)), (tokens((b, s)),),
                 (None, "b, s"), (f"b <= {b}", f"s <= {s}", "s >= 2"))
@@ -119,7 +119,7 @@ def relu_case(quick: bool) -> Case:
             x = x + jax.nn.relu(x @ lp["w1"]) @ lp["w2"]
         return _xent(x, p["emb"], toks)
 
-    return _lm_case(quick, 12, loss, optax.adam(1e-3), _mlp_lm(12))
+    return _lm_case(quick, loss, optax.adam(1e-3), _mlp_lm(12))
 
 
 def clip_case(quick: bool) -> Case:
@@ -219,7 +219,7 @@ def multiopt_case(quick: bool) -> Case:
         {"matrix": optax.chain(optax.clip_by_global_norm(1.0),
                                optax.adamw(1e-3, weight_decay=0.1)),
          "vector": optax.sgd(1e-2, momentum=0.9)}, labels)
-    return _lm_case(quick, 5, loss, opt, p)
+    return _lm_case(quick, loss, opt, p)
 
 
 class _AutoEncoder(nn.Module):
@@ -328,7 +328,7 @@ def scanrev_case(quick: bool) -> Case:
                                        reverse=True)
         return _xent(x, p["emb"], toks) + 1e-3 * (aux + means.sum())
 
-    return _lm_case(quick, 11, loss, optax.adam(1e-3), p)
+    return _lm_case(quick, loss, optax.adam(1e-3), p)
 
 
 def lookahead_case(quick: bool) -> Case:
@@ -375,7 +375,7 @@ def einsum_case(quick: bool) -> Case:
         return optax.softmax_cross_entropy_with_integer_labels(
             jnp.einsum("bsd,vd->bsv", x, p["emb"]), toks).mean()
 
-    return _lm_case(quick, 13, loss, optax.adamw(1e-3), p)
+    return _lm_case(quick, loss, optax.adamw(1e-3), p)
 
 
 #: name -> builder of the program's case (``quick``: CI-sized)
