@@ -214,6 +214,19 @@ def test_no_warning_for_known_primitives() -> None:
         build_graph(jax.make_jaxpr(p.step)(*p.symbolic_args()))
 
 
+def test_a_linear_solve_and_its_gradient_are_known() -> None:
+    # jnp.linalg.solve binds custom_linear_solve (an LU solve inside): an opaque op, as
+    # lu and triangular_solve are, not an unknown one.
+    def loss(a, b):
+        return jnp.linalg.solve(a @ a.T + jnp.eye(8), b).sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmem.JaxmemWarning)
+        g = build_graph(jax.make_jaxpr(jax.grad(loss, (0, 1)))(jnp.ones((8, 8)),
+                                                             jnp.ones((8, 3))))
+    assert [n.kind for n in g.nodes if n.primitive == "custom_linear_solve"] == ["opaque"] * 2
+
+
 def _interleaved_rope(x):
     x1, x2 = x[..., ::2], x[..., 1::2]  # jnp.stack and its transpose, unstack
     return jnp.stack([x1 * 0.5 - x2 * 0.8, x1 * 0.8 + x2 * 0.5], -1).reshape(x.shape)

@@ -48,7 +48,8 @@ reduce_window reduce_window_sum reduce_window_max reduce_window_min select_and_s
 rng_bit_generator rng_uniform fft cholesky triangular_solve lu qr svd eigh eig custom_call
 argsort top_k random_bits dim_as_value all_reduce psum psum_invariant all_gather reduce_scatter
 ppermute all_to_all
-approx_top_k tridiagonal_solve householder_product schur platform_index sharding_constraint
+approx_top_k tridiagonal_solve householder_product schur custom_linear_solve platform_index
+sharding_constraint
 device_put mesh_cast reshard
 """.split())
 CALLBACK = frozenset("pure_callback io_callback debug_callback callback".split())
