@@ -67,10 +67,11 @@ def tokens(shape: tuple[int, ...], seed: int = 0) -> jax.Array:
     return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, shape), jnp.int32)
 
 
-def _normal(shapes: Any, seed: int) -> Any:
+def normal(shapes: Any, seed: int, scale: float = 0.05) -> Any:
+    """Normal(0, ``scale``) arrays of a tree of shapes (tuples are leaves)."""
     leaves, tree = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return jax.tree.unflatten(tree, [0.05 * jax.random.normal(k, s) for k, s in
+    return jax.tree.unflatten(tree, [scale * jax.random.normal(k, s) for k, s in
                                      zip(keys, leaves, strict=True)])
 
 
@@ -122,7 +123,7 @@ def accum_case(quick: bool) -> Case:
     shapes = {"emb": (VOCAB, D), "layers": [
         {"attn": _ATTENTION, "w1": (D, 4 * D), "w2": (4 * D, D), "g": (D,), "b": (D,)}
         for _ in range(layers)]}
-    params = _normal(shapes, 0)
+    params = normal(shapes, 0)
     opt = optax.adam(1e-3)
 
     def loss(p: Any, tokens: jax.Array) -> jax.Array:
@@ -217,7 +218,7 @@ def moe_case(quick: bool) -> Case:
     shapes = {"emb": (VOCAB, D), "layers": [
         {"attn": _ATTENTION, "router": (D, experts), "w1": (experts, D, 2 * D),
          "w2": (experts, 2 * D, D), "g": (D,), "b": (D,)} for _ in range(layers)]}
-    params = _normal(shapes, 1)
+    params = normal(shapes, 1)
     opt = optax.lion(1e-4)
 
     def loss(p: Any, tokens: jax.Array) -> jax.Array:
@@ -277,7 +278,7 @@ def vit_case(quick: bool) -> Case:
     shapes = {"patch": (patch * patch * 3, D), "head": (D, 10), "layers": [
         {"attn": _ATTENTION, "w1": (D, 4 * D), "w2": (4 * D, D), "g": (D,), "b": (D,)}
         for _ in range(layers)]}
-    params = _normal(shapes, 2)
+    params = normal(shapes, 2)
     opt = optax.adafactor(1e-3)
 
     def loss(p: Any, images: jax.Array, labels: jax.Array) -> jax.Array:
@@ -318,7 +319,7 @@ def ssm_case(quick: bool) -> Case:
     shapes = {"emb": (VOCAB, D), "layers": [
         {"decay": (D,), "in": (D, D), "gate": (D, D), "out": (D, D), "g": (D,), "b": (D,)}
         for _ in range(layers)]}
-    params = _normal(shapes, 3)
+    params = normal(shapes, 3)
     opt = optax.sgd(1e-2, momentum=0.9, nesterov=True)
 
     def loss(p: Any, tokens: jax.Array) -> jax.Array:
@@ -346,7 +347,7 @@ def eval_case(quick: bool) -> Case:
     shapes = {"emb": (VOCAB, D), "layers": [
         {"attn": _ATTENTION, "w1": (D, 4 * D), "w2": (4 * D, D), "g": (D,), "b": (D,)}
         for _ in range(layers)]}
-    params = _normal(shapes, 3)
+    params = normal(shapes, 3)
 
     def step(p: Any, tokens: jax.Array) -> Any:
         x = p["emb"][tokens]

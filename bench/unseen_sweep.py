@@ -47,17 +47,14 @@ import numpy as np
 import optax
 
 from bench.programs import optax_step
-from bench.unseen_programs import VOCAB, Case, tokens
+from bench.unseen_programs import VOCAB, Case, normal, tokens
 
 D = 64
 
 
-def _normal(seed: int, shapes: Any) -> Any:
-    """Normal(0, 0.1) arrays of a tree of shapes (tuples are leaves)."""
-    leaves, tree = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    rng = np.random.default_rng(seed)
-    return jax.tree.unflatten(tree, [jnp.asarray(rng.normal(size=s) * 0.1, jnp.float32)
-                                     for s in leaves])
+def _params(seed: int, shapes: Any) -> Any:
+    """This module's parameters: Normal(0, 0.1) arrays of a tree of shapes."""
+    return normal(shapes, seed, 0.1)
 
 
 def _lm_case(quick: bool, loss: Callable[..., jax.Array], opt: optax.GradientTransformation,
@@ -68,7 +65,7 @@ def _lm_case(quick: bool, loss: Callable[..., jax.Array], opt: optax.GradientTra
 
 
 def _mlp_lm(seed: int) -> dict[str, Any]:
-    return _normal(seed, {"emb": (VOCAB, D), "layers": [
+    return _params(seed, {"emb": (VOCAB, D), "layers": [
         {"w1": (D, 4 * D), "w2": (4 * D, D)} for _ in range(3)]})
 
 
@@ -125,7 +122,7 @@ def relu_case(quick: bool) -> Case:
 def clip_case(quick: bool) -> Case:
     """A symmetric contrastive loss over the ``b x b`` similarities of two encoders."""
     b, s = (4, 8) if quick else (32, 32)
-    p = _normal(1, {"img": [(48, 128), (128, 64)], "emb": (VOCAB, D),
+    p = _params(1, {"img": [(48, 128), (128, 64)], "emb": (VOCAB, D),
                     "txt": [(D, 128), (128, 64)], "t": ()})
 
     def encode(x: jax.Array, ws: list[jax.Array]) -> jax.Array:
@@ -148,7 +145,7 @@ def clip_case(quick: bool) -> Case:
 def gnn_case(quick: bool) -> Case:
     """Three rounds of mean-aggregated messages over a random graph."""
     n, e = (8, 16) if quick else (256, 1024)
-    p = _normal(2, {"layers": [{"w": (32, 32), "u": (32, 32)} for _ in range(3)],
+    p = _params(2, {"layers": [{"w": (32, 32), "u": (32, 32)} for _ in range(3)],
                     "out": (32, 4)})
 
     def loss(p: Any, x: jax.Array, src: jax.Array, dst: jax.Array, labels: jax.Array
@@ -179,7 +176,7 @@ def diffusion_case(quick: bool) -> Case:
     b, s = (2, 16) if quick else (8, 64)
     steps = 100
     alphas = jnp.cumprod(1 - jnp.linspace(1e-4, 0.02, steps))
-    p = _normal(4, {"inp": (16, D), "t": (D, D), "out": (D, 16),
+    p = _params(4, {"inp": (16, D), "t": (D, D), "out": (D, 16),
                     "blocks": [{"w1": (D, 4 * D), "w2": (4 * D, D)} for _ in range(3)]})
     norm = nn.LayerNorm(use_scale=False, use_bias=False)
 
@@ -203,7 +200,7 @@ def diffusion_case(quick: bool) -> Case:
 
 def multiopt_case(quick: bool) -> Case:
     """Per-group optimizers: matrices and vectors labelled by rank."""
-    p = _normal(5, {"emb": (VOCAB, D), "layers": [
+    p = _params(5, {"emb": (VOCAB, D), "layers": [
         {"w": (D, D), "bias": (D,), "scale": (D,)} for _ in range(3)]})
 
     def loss(p: Any, toks: jax.Array) -> jax.Array:
@@ -247,7 +244,7 @@ def resize_case(quick: bool) -> Case:
 def ridge_case(quick: bool) -> Case:
     """A closed-form ridge fit on learned features, scored on a query set."""
     b = 8 if quick else 256
-    p = _normal(8, {"f1": (16, D), "f2": (D, 32), "lam": ()})
+    p = _params(8, {"f1": (16, D), "f2": (D, 32), "lam": ()})
 
     def loss(p: Any, xs: jax.Array, ys: jax.Array, xq: jax.Array, yq: jax.Array
              ) -> jax.Array:
@@ -269,7 +266,7 @@ def sharded_case(quick: bool) -> Case:
     heads = 4
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-    p = _normal(10, {"emb": (VOCAB, D), "layers": [
+    p = _params(10, {"emb": (VOCAB, D), "layers": [
         {"qkv": (D, 3 * D), "o": (D, D), "w1": (D, 4 * D), "w2": (4 * D, D)}
         for _ in range(3)]})
 
@@ -314,7 +311,7 @@ _scaled_tanh.defvjp(_scaled_tanh_fwd, _scaled_tanh_bwd)
 
 def scanrev_case(quick: bool) -> Case:
     """A reversed scan over stacked layers: a tuple carry and per-layer outputs."""
-    p = _normal(11, {"emb": (VOCAB, D), "w1": (3, D, 4 * D), "w2": (3, 4 * D, D)})
+    p = _params(11, {"emb": (VOCAB, D), "w1": (3, D, 4 * D), "w2": (3, 4 * D, D)})
 
     def loss(p: Any, toks: jax.Array) -> jax.Array:
         def body(carry: tuple[jax.Array, jax.Array], w: tuple[jax.Array, jax.Array]
@@ -360,7 +357,7 @@ def lookahead_case(quick: bool) -> Case:
 def einsum_case(quick: bool) -> Case:
     """Attention by einsums in mismatched orders."""
     heads, dh = 4, 16
-    p = _normal(13, {"emb": (VOCAB, D), "layers": [
+    p = _params(13, {"emb": (VOCAB, D), "layers": [
         {n: (D, heads, dh) for n in "qkv"} | {"o": (heads, dh, D)} for _ in range(2)]})
 
     def loss(p: Any, toks: jax.Array) -> jax.Array:
