@@ -19,3 +19,18 @@ def test_a_dot_simplified_at_one_point_only() -> None:
         op("concatenate", (8, 5), 0, ("(b+b)",))), (9, 10))
     fuzz.test_peak_without_output_reuse_matches_and_bounds.hypothesis.inner_test(
         recipe, {"b": 1, "s": 1})
+
+
+def test_an_inner_reduction_starts_the_fusion_its_reader_does_not() -> None:
+    # Found by test_peak_without_output_reuse_matches_and_bounds (a random draw; failing on
+    # sessions 35-37's code). At b = 10, s = 41 the final sum reduces 100 elements (no
+    # library fusion) but the inner sum over axis 1 reduces 4100: its own fusion takes in
+    # the matmul reading it, so its [b, b] result has no buffer. The symbolic model sized
+    # that result by the final sum's count alone, 400 bytes over the concrete one.
+    op, tanh = fuzz.Op, fuzz.Op("tanh", (0,), None, ("b", "s", "b"))
+    recipe = fuzz.Recipe((("b", "s", "b"),), (
+        op("reduce_sum", (0,), 1, ("b", "b")), tanh,
+        op("dot", (1, 1), "matmul", ("b", "b")), op("reduce_sum", (3,), 0, ("b",)),
+        tanh, tanh), (3, 4))
+    fuzz.test_peak_without_output_reuse_matches_and_bounds.hypothesis.inner_test(
+        recipe, {"b": 10, "s": 41})
