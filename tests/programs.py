@@ -48,7 +48,8 @@ ISSUE_WORST_BOUND = 0.10
 #: misses the median (4.0 %).
 MET_BOUNDS = {"gpt_bf16": (0.07, ISSUE_WORST_BOUND), "gpt_scan": (0.07, ISSUE_WORST_BOUND)}
 
-__all__ = ["MEDIAN_BOUND", "WORST_BOUND", "Program", "attention_program", "errors_against_xla",
+__all__ = ["MEDIAN_BOUND", "WORST_BOUND", "Program", "attention_program", "bf16_attention_args",
+           "bf16_attention_step", "errors_against_xla",
            "gpt_program", "llama_program", "mlp_program", "reshape_program", "relative_error",
            "small_attention", "small_gpt", "small_gpt_bf16", "small_gpt_scan",
            "small_llama_bf16", "small_mlp", "small_reshape", "xla_peak"]
@@ -88,6 +89,31 @@ def small_gpt_scan() -> Program:
 def small_llama_bf16() -> Program:
     """The ``tiny`` Flax NNX Llama with bf16 compute, as the ``1b`` preset trains."""
     return llama_program("tiny", max_b=8, max_s=256, dtype="bf16")
+
+
+def bf16_attention_step(params: Any, tokens: jax.Array) -> Any:
+    """A 2-layer decoder's loss and gradient in bfloat16, parameters too: heads indexed
+    off one q/k/v projection, einsums with their batch dims inside (XLA copies the heads
+    transposed), a float32 softmax. Its arguments: :func:`bf16_attention_args`."""
+    def loss(p: Any, tokens: jax.Array) -> jax.Array:
+        x = p["emb"][tokens]
+        for lp in p["layers"]:
+            h = (x @ lp["qkv"]).reshape(*x.shape[:2], 3, 4, -1)
+            scores = jnp.einsum("bqhd,bkhd->bhqk", h[:, :, 0], h[:, :, 1])
+            probs = jax.nn.softmax(scores.astype(jnp.float32)).astype(jnp.bfloat16)
+            a = jnp.einsum("bhqk,bkhd->bqhd", probs, h[:, :, 2])
+            x = x + a.reshape(x.shape) @ lp["o"]
+        return jnp.mean((x @ p["emb"].T).astype(jnp.float32) ** 2)
+    return jax.value_and_grad(loss)(params, tokens)
+
+
+def bf16_attention_args(b: int, s: int) -> tuple[Any, jax.Array]:
+    """:func:`bf16_attention_step`'s parameters (width 64, 4 heads) and ``[b, s]`` tokens."""
+    keys = iter(jax.random.split(jax.random.key(0), 5))
+    normal = lambda *shape: jax.random.normal(next(keys), shape, jnp.bfloat16)  # noqa: E731
+    params = {"emb": normal(128, 64),
+              "layers": [{"qkv": normal(64, 192), "o": normal(64, 64)} for _ in range(2)]}
+    return params, jnp.zeros((b, s), jnp.int32)
 
 
 def deepest_level_lowers_and_matches(f: jaxmem.Jitted, args: Sequence[Any],

@@ -3,8 +3,12 @@ XLA's buffers."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
+import pytest
+from programs import bf16_attention_args, bf16_attention_step
 
 import jaxmem
 from jaxmem.graph import build_graph
@@ -63,3 +67,18 @@ def test_a_broadcast_behind_a_barrier_is_made_at_the_barrier() -> None:
     barrier = next(n.index for n in g.nodes if n.primitive == "optimization_barrier")
     extras = [b for b in liveness(g) if b.note == "broadcast epilogue operand"]
     assert extras and all(b.start >= barrier for b in extras), (barrier, extras)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU rules")
+@pytest.mark.parametrize(("b", "s"), [(8, 64), (8, 128)])
+def test_an_upcast_dot_has_the_epilogue_of_a_float32_library_dot(b, s) -> None:
+    # XLA's CPU backend runs a bf16 dot in float32: from 4096 rows the softmax gradient's
+    # dot is a library fusion that reads 1 / sum broadcast to [b, h, s, s], one per layer
+    # (none over 2048 rows: the rule without the threshold was 25 % over a bf16 decoder).
+    params, tokens = bf16_attention_args(b, s)
+    txt = jax.jit(bf16_attention_step).lower(params, tokens).compile().as_text()
+    xla = re.findall(rf"wrapped_broadcast[.\d]* = f32\[{b},4,{s},{s}\]", txt)
+    g = build_graph(jax.make_jaxpr(bf16_attention_step)(params, tokens))
+    model = [x for x in liveness(g, backend="cpu")
+             if x.note == "broadcast epilogue operand" and x.nbytes]
+    assert len(model) == len(xla) == (2 if b * 4 * s >= 4096 else 0), (model, xla)

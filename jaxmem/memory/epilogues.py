@@ -9,7 +9,7 @@ Example:
     >>> g = build_graph(jax.make_jaxpr(f)(jnp.ones((4, 16, 8)), jnp.ones((8, 8)),
     ...                                    jnp.ones((16, 8))))
     >>> order = list(range(len(g.nodes)))
-    >>> [x.note for x in epilogue_broadcasts(g, order, materialised(g), {})]
+    >>> [x.note for x in epilogue_broadcasts(g, order, materialised(g), {}, "cpu")]
     ['broadcast epilogue operand']
 """
 
@@ -22,10 +22,11 @@ import sympy
 from jaxmem.graph import Graph, Node
 from jaxmem.memory.fusion import Extra, element_count
 from jaxmem.memory.library import from_rows
+from jaxmem.memory.precision import upcast_dots
 
 
 def epilogue_broadcasts(graph: Graph, order: Sequence[int], owner: dict[int, int],
-                         first_def: dict[int, int]) -> list[Extra]:
+                         first_def: dict[int, int], backend: str) -> list[Extra]:
     """Full-size copies of operands broadcast into a dot's fused epilogue.
 
     XLA's CPU backend fuses a dot with the chain of elementwise ops that consume
@@ -33,8 +34,13 @@ def epilogue_broadcasts(graph: Graph, order: Sequence[int], owner: dict[int, int
     of that chain at the chain's full shape: an operand that the jaxpr broadcasts
     (``x / s[..., None]``, the softmax denominator in attention's backward pass)
     is materialised broadcast, from when its source exists until the chain runs.
+    A dot ``backend`` runs in float32 (:func:`~jaxmem.memory.precision.upcast_dots`) is
+    a float32 library dot, with its threshold (measured, bfloat16 decoders' softmax
+    gradients: the ``1 / sum`` stays ``[b, h, s]`` over 2048 rows and is broadcast over
+    16384).
     """
     pos = {n: p for p, n in enumerate(order)}
+    upcast = frozenset(upcast_dots(graph, backend))
     nodes = graph.nodes
     consumers = graph.consumers
     out: list[Extra] = []
@@ -59,7 +65,7 @@ def epilogue_broadcasts(graph: Graph, order: Sequence[int], owner: dict[int, int
                         continue
                     if e.kind == "elementwise":
                         out.extend(_broadcast_operands(graph, e, region, owner, first_def,
-                                                       pos, seen, node.index))
+                                                       pos, seen, node.index, upcast))
                     region.add(e.outputs[0])
                     nxt.append(e.outputs[0])
             frontier = nxt
@@ -87,7 +93,8 @@ def _merged_by_source(graph: Graph, extras: list[Extra]) -> list[Extra]:
 
 def _broadcast_operands(graph: Graph, e: Node, region: set[int], owner: dict[int, int],
                         first_def: dict[int, int], pos: dict[int, int],
-                        seen: set[tuple[int, int]], dot: int) -> list[Extra]:
+                        seen: set[tuple[int, int]], dot: int, upcast: frozenset[int]
+                        ) -> list[Extra]:
     """The operands of epilogue op ``e`` of ``dot`` that XLA reads broadcast to ``e``'s
     full shape."""
     producers = graph.producers
@@ -121,7 +128,7 @@ def _broadcast_operands(graph: Graph, e: Node, region: set[int], owner: dict[int
         start = min(_made(graph, pos, src, first_def.get(o, 0)), here) if o != -1 else here
         # A library dot's fusion exists from its threshold on (attention's 1/sum
         # broadcast at (2, 512): read in place by a loop fusion).
-        gate = from_rows(small) if _library_dot(graph, graph.nodes[dot]) else 1
+        gate = from_rows(small) if dot in upcast or _library_dot(graph, graph.nodes[dot]) else 1
         out.append(Extra(x, sympy.expand(graph.values[e.outputs[0]].nbytes * gate), start, here,
                          "broadcast epilogue operand"))
     return out

@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import NamedTuple
 
 import sympy
@@ -293,7 +293,8 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
                       size: Callable[[int], sympy.Expr] | None = None,
                       reads: set[tuple[int, int]] | None = None,
                       used: Sequence[bool] | None = None,
-                      pairs: Sequence[tuple[int, int]] | None = None) -> list[Extra]:
+                      pairs: Sequence[tuple[int, int]] | None = None,
+                      upcast: Collection[int] = ()) -> list[Extra]:
     """Copies of dot operands XLA has to transpose (:func:`dot_copies`).
 
     In a train step these are transposed activations for the weight-gradient
@@ -304,20 +305,31 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
     values, :mod:`jaxmem.memory.precision`). ``reads``, when given, gets each
     ``(dot node, operand)`` read through a copy (the dot does not read the original).
     ``used``: ``used_nodes(graph)``; ``pairs``: ``dot_copies(graph, owner, used)``,
-    when the caller has them.
+    when the caller has them. A copy an ``upcast`` dot reads (one the backend runs in
+    float32) is float32: the convert fuses into it (a bfloat16 GPT's heads at (4, 64):
+    ``f32[4, 2, 64, 32]`` transposed copies).
     """
     reads = set() if reads is None else reads
     size = size or (lambda v: graph.values[v].nbytes)
     pairs = dot_copies(graph, owner, used) if pairs is None else pairs
     spans: dict[int, list[int]] = {}
     pos = {n: p for p, n in enumerate(order)}
+    wide: set[int] = set()
     for ni, v in sorted(pairs, key=lambda nv: pos[nv[0]]):
         p = pos[ni]
         reads.add((ni, v))
         span = spans.setdefault(v, [min(copy_start(graph, pos, v, p), p), p])
         span[1] = p
+        if ni in upcast:
+            wide.add(v)
     # A view's copy has the bytes of the buffer it views (float32 when widened); a fused
     # operand's, its own.
     buffer = {v: owner.get(v, v) for v in spans}
-    return [Extra(v, size(v if buffer[v] == -1 else buffer[v]), a, b, "transposed copy")
-            for v, (a, b) in spans.items()]
+    return [Extra(v, _f32_copy(graph, v) if v in wide else size(v if buffer[v] == -1
+                                                                 else buffer[v]),
+                  a, b, "transposed copy") for v, (a, b) in spans.items()]
+
+
+def _f32_copy(graph: Graph, v: int) -> sympy.Expr:
+    """Bytes of ``v`` in float32."""
+    return sympy.expand(element_count(graph, v) * 4)

@@ -32,7 +32,7 @@ from jaxmem.memory.fusion import (
     transposed_copies,
     used_nodes,
 )
-from jaxmem.memory.precision import buffer_sizes, operand_copies
+from jaxmem.memory.precision import buffer_sizes, operand_copies, upcast_dots
 from jaxmem.memory.random_bits import random_bits_counters, random_bits_sizes
 from jaxmem.memory.readers import distinct_full_operands, duplicated_bias_adds, reads
 from jaxmem.memory.reductions import reduction_sizes
@@ -97,9 +97,9 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     widened, bits, sizes = _sizes(graph, owner, used, backend, library)
     size = lambda v: sizes.get(v, graph.values[v].nbytes)  # noqa: E731
     duplicated = duplicated_bias_adds(graph, owner, used) if backend == "cpu" else {}
-    srcs = _buffer_sources(graph, owner, duplicated)
-    copied: set[tuple[int, int]] = set()
-    copies = transposed_copies(graph, order, owner, size, copied, used, pairs)
+    srcs, copied = _buffer_sources(graph, owner, duplicated), set[tuple[int, int]]()
+    upcast = frozenset(upcast_dots(graph, backend))
+    copies = transposed_copies(graph, order, owner, size, copied, used, pairs, upcast)
     base, copied = _copied_early(graph, order, owner, used, copies, copied)
     convs = conv_copies(graph, order, size, copied)
     first_def, last_use = _definitions_and_uses(graph, order, owner, srcs, used, copied,
@@ -114,7 +114,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     buffers = _value_buffers(graph, len(order), owner, outputs, {**first_def, **held},
                              last_use, reuse_end, in_output, size)
     for x in (*copies, *convs,
-              *epilogue_broadcasts(graph, order, owner, first_def),
+              *epilogue_broadcasts(graph, order, owner, first_def, backend),
               *operand_copies(graph, order, owner, backend, widened),
               *window_broadcasts(graph, order, used, backend),
               *max_pool_gradient_buffers(graph, order, used, backend),

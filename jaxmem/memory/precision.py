@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 import sympy
 
 from jaxmem.graph import Graph
+from jaxmem.memory.copies import copied_operands
 from jaxmem.memory.fusion import Extra, converges, element_count
 
 #: dtypes XLA may widen to float32
@@ -73,8 +74,10 @@ def upcast_dots(graph: Graph, backend: str) -> tuple[int, ...]:
             continue
         ins = {graph.values[i].dtype for i in n.inputs}
         result = graph.values[n.outputs[0]].dtype
-        # bf16 x bf16 -> f32 has a kernel; a low-precision result or any f16 has none.
-        if "float16" in ins or (result in LOW_PRECISION and ins & set(LOW_PRECISION)):
+        # bf16 x bf16 -> f32 has a kernel; a low-precision result, any f16 or an operand
+        # of each type (f32 x bf16: the bfloat16 one converted) has none.
+        if "float16" in ins or (ins & set(LOW_PRECISION) and (
+                result in LOW_PRECISION or "float32" in ins)):
             out.append(n.index)
     return tuple(out)
 
@@ -124,7 +127,10 @@ def _through_views(graph: Graph, owner: Mapping[int, int], v: int) -> int:
     """The buffer a dot operand is read from (a transpose folded into the dot: its source)."""
     o = owner.get(v, v)
     while o == -1:
-        v = graph.nodes[graph.producers[v]].inputs[0]
+        inputs = graph.nodes[graph.producers[v]].inputs
+        if not inputs:  # fused from constants alone (a broadcast literal): no buffer to widen
+            return v
+        v = inputs[0]
         o = owner.get(v, v)
     return o
 
@@ -260,9 +266,10 @@ def operand_copies(graph: Graph, order: Sequence[int], owner: Mapping[int, int],
     out = _narrow_copies(graph, owner, pos, widened)
     chosen = set(dots)
     for o, readers in _low_operands(graph, owner, dots).items():
-        if o in widened and _replaced(graph, owner, o, chosen):
+        # A transposed copy is the convert of the dots reading through it (f32 copies).
+        at = [pos[d] for d in readers if not _copied_by(graph, owner, d, o)]
+        if not at or (o in widened and _replaced(graph, owner, o, chosen)):
             continue
-        at = [pos[d] for d in readers]
         out.append(Extra(o, _f32_bytes(graph, o), min(at), max(at), "float32 operand copy"))
     for d in dots:  # a result held narrow is float32 until its convert, right after it
         w = graph.nodes[d].outputs[0]
@@ -271,6 +278,12 @@ def operand_copies(graph: Graph, order: Sequence[int], owner: Mapping[int, int],
             out.append(Extra(w, _f32_bytes(graph, w), pos[d], _last_fused_read(graph, owner,
                              pos, d, w), "float32 dot result"))
     return out
+
+
+def _copied_by(graph: Graph, owner: Mapping[int, int], d: int, o: int) -> bool:
+    """Whether dot ``d`` reads buffer ``o`` through a transposed copy."""
+    return any(_through_views(graph, owner, v) == o
+               for v in copied_operands(graph, graph.nodes[d], owner))
 
 
 def _last_fused_read(graph: Graph, owner: Mapping[int, int], pos: Mapping[int, int], d: int,
