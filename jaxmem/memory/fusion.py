@@ -322,14 +322,11 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
         span[1] = p
         if ni in upcast:
             wide.add(v)
-    # A view's copy has the bytes of the buffer it views (float32 when widened); a fused
-    # operand's, its own.
-    buffer = {v: owner.get(v, v) for v in spans}
-    return [Extra(v, _f32_copy(graph, v) if v in wide else size(v if buffer[v] == -1
-                                                                 else buffer[v]),
-                  a, b, "transposed copy") for v, (a, b) in spans.items()]
-
-
-def _f32_copy(graph: Graph, v: int) -> sympy.Expr:
-    """Bytes of ``v`` in float32."""
-    return sympy.expand(element_count(graph, v) * 4)
+    out = []
+    for v, (a, b) in spans.items():
+        # A view's copy has the bytes of the buffer it views (float32 when widened); a
+        # fused operand's, its own; an upcast dot's, float32.
+        buffer = v if owner.get(v, v) == -1 else owner.get(v, v)
+        nbytes = sympy.expand(element_count(graph, v) * 4) if v in wide else size(buffer)
+        out.append(Extra(v, nbytes, a, b, "transposed copy"))
+    return out
