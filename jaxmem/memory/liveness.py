@@ -100,7 +100,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     srcs, copied = _buffer_sources(graph, owner, duplicated), set[tuple[int, int]]()
     upcast = frozenset(upcast_dots(graph, backend))
     copies = transposed_copies(graph, order, owner, size, copied, used, pairs, upcast)
-    base, copied = _copied_early(graph, order, owner, used, copies, copied)
+    base, copied = _copied_early(graph, order, owner, used, copies, copied, upcast)
     convs = conv_copies(graph, order, size, copied)
     first_def, last_use = _definitions_and_uses(graph, order, owner, srcs, used, copied,
                                                 backend, duplicated)
@@ -169,11 +169,12 @@ def _copy_reads(graph: Graph, x: Extra, base: dict[int, int],
 
 
 def _copied_early(graph: Graph, order: Sequence[int], owner: dict[int, int],
-                  used: list[bool], copies: Sequence[Extra], copied: set[tuple[int, int]]
-                  ) -> tuple[dict[int, int], set[tuple[int, int]]]:
-    """For the transposed copies made as soon as their operand is written: the buffer
-    each copy reads (a copy of heads split off a projection reads the projection's), and
-    the ``(dot, operand)`` reads of operands only those copies read (:func:`_only_copied`)."""
+                  used: list[bool], copies: Sequence[Extra], copied: set[tuple[int, int]],
+                  upcast: frozenset[int]) -> tuple[dict[int, int], set[tuple[int, int]]]:
+    """For the transposed copies made as soon as their operand is written, or read by an
+    ``upcast`` dot (run in float32: the convert is the copy, and a bf16 decoder's heads die
+    once it is made): the buffer each copy reads (heads split off a projection: the
+    projection's), and the ``(dot, operand)`` reads of operands only they read."""
     pos = {n: p for p, n in enumerate(order)}
     prods = graph.producers
     early = {x.value for x in copies
@@ -181,8 +182,8 @@ def _copied_early(graph: Graph, order: Sequence[int], owner: dict[int, int],
              and graph.nodes[prods[x.value]].primitive != "concatenate"}
     heads = {v: head_projection(graph, graph.nodes[prods[v]]) for v in early}
     base = {v: h for v, h in heads.items() if h is not None}
-    return base, _only_copied(graph, owner, used,
-                              {(ni, base.get(v, v)) for ni, v in copied if v in early})
+    return base, _only_copied(graph, owner, used, {(ni, base.get(v, v)) for ni, v in copied
+                                                   if v in early or ni in upcast})
 
 
 def _buffer_sources(graph: Graph, owner: dict[int, int],
