@@ -9,24 +9,24 @@ Example:
     >>> g = build_graph(jax.make_jaxpr(f)(jnp.ones((4, 16, 8)), jnp.ones((8, 8)),
     ...                                    jnp.ones((16, 8))))
     >>> order = list(range(len(g.nodes)))
-    >>> [x.note for x in epilogue_broadcasts(g, order, materialised(g), {}, "cpu")]
+    >>> [x.note for x in epilogue_broadcasts(g, order, materialised(g), {})]
     ['broadcast epilogue operand']
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import sympy
 
 from jaxmem.graph import Graph, Node
 from jaxmem.memory.fusion import Extra, element_count
 from jaxmem.memory.library import from_rows
-from jaxmem.memory.precision import upcast_dots
 
 
 def epilogue_broadcasts(graph: Graph, order: Sequence[int], owner: dict[int, int],
-                         first_def: dict[int, int], backend: str) -> list[Extra]:
+                         first_def: dict[int, int], upcast: Collection[int] = ()
+                         ) -> list[Extra]:
     """Full-size copies of operands broadcast into a dot's fused epilogue.
 
     XLA's CPU backend fuses a dot with the chain of elementwise ops that consume
@@ -34,13 +34,12 @@ def epilogue_broadcasts(graph: Graph, order: Sequence[int], owner: dict[int, int
     of that chain at the chain's full shape: an operand that the jaxpr broadcasts
     (``x / s[..., None]``, the softmax denominator in attention's backward pass)
     is materialised broadcast, from when its source exists until the chain runs.
-    A dot ``backend`` runs in float32 (:func:`~jaxmem.memory.precision.upcast_dots`) is
+    A dot in ``upcast`` (:func:`~jaxmem.memory.precision.upcast_dots`: run in float32) is
     a float32 library dot, with its threshold (measured, bfloat16 decoders' softmax
     gradients: the ``1 / sum`` stays ``[b, h, s]`` over 2048 rows and is broadcast over
     16384).
     """
     pos = {n: p for p, n in enumerate(order)}
-    upcast = frozenset(upcast_dots(graph, backend))
     nodes = graph.nodes
     consumers = graph.consumers
     out: list[Extra] = []
@@ -93,7 +92,7 @@ def _merged_by_source(graph: Graph, extras: list[Extra]) -> list[Extra]:
 
 def _broadcast_operands(graph: Graph, e: Node, region: set[int], owner: dict[int, int],
                         first_def: dict[int, int], pos: dict[int, int],
-                        seen: set[tuple[int, int]], dot: int, upcast: frozenset[int]
+                        seen: set[tuple[int, int]], dot: int, upcast: Collection[int]
                         ) -> list[Extra]:
     """The operands of epilogue op ``e`` of ``dot`` that XLA reads broadcast to ``e``'s
     full shape."""

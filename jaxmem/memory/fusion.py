@@ -289,6 +289,11 @@ def _effectively_unary(graph: Graph, node: Node) -> bool:
     return full <= 1
 
 
+def float32_bytes(graph: Graph, v: int) -> sympy.Expr:
+    """``v``'s bytes as float32 (a low-precision value XLA's CPU backend widens)."""
+    return sympy.expand(element_count(graph, v) * 4)
+
+
 def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
                       size: Callable[[int], sympy.Expr] | None = None,
                       reads: set[tuple[int, int]] | None = None,
@@ -327,6 +332,6 @@ def transposed_copies(graph: Graph, order: Sequence[int], owner: dict[int, int],
         # A view's copy has the bytes of the buffer it views (float32 when widened); a
         # fused operand's, its own; an upcast dot's, float32.
         buffer = v if owner.get(v, v) == -1 else owner.get(v, v)
-        nbytes = sympy.expand(element_count(graph, v) * 4) if v in wide else size(buffer)
+        nbytes = float32_bytes(graph, v) if v in wide else size(buffer)
         out.append(Extra(v, nbytes, a, b, "transposed copy"))
     return out

@@ -114,7 +114,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     buffers = _value_buffers(graph, len(order), owner, outputs, {**first_def, **held},
                              last_use, reuse_end, in_output, size)
     for x in (*copies, *convs,
-              *epilogue_broadcasts(graph, order, owner, first_def, backend),
+              *epilogue_broadcasts(graph, order, owner, first_def, upcast),
               *operand_copies(graph, order, owner, backend, widened),
               *window_broadcasts(graph, order, used, backend),
               *max_pool_gradient_buffers(graph, order, used, backend),

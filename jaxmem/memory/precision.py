@@ -46,11 +46,10 @@ import sympy
 
 from jaxmem.graph import Graph
 from jaxmem.memory.copies import copied_operands
-from jaxmem.memory.fusion import Extra, converges, element_count
+from jaxmem.memory.fusion import Extra, converges, float32_bytes
 
 #: dtypes XLA may widen to float32
 LOW_PRECISION = ("bfloat16", "float16")
-F32_ITEMSIZE = 4
 #: element-wise primitives that move or retype values: XLA runs them at low precision
 _NOT_ARITHMETIC = frozenset("""
 convert_element_type convert copy copy_p select_n broadcast_in_dim iota transpose slice
@@ -88,10 +87,6 @@ def converted_reads(graph: Graph, owner: Mapping[int, int], backend: str
     convert: instructions of their own in XLA's schedule, as transposed copies are."""
     return [(d, o) for o, readers in _low_operands(graph, owner, upcast_dots(graph, backend))
             .items() for d in readers]
-
-
-def _f32_bytes(graph: Graph, v: int) -> sympy.Expr:
-    return sympy.expand(element_count(graph, v) * F32_ITEMSIZE)
 
 
 def _readers(graph: Graph, owner: Mapping[int, int], v: int) -> list[int | None]:
@@ -219,15 +214,15 @@ def buffer_sizes(graph: Graph, owner: Mapping[int, int], backend: str) -> dict[i
     """Buffers ``backend`` keeps in float32 though the jaxpr types them lower: value id ->
     bytes (results of upcast dots, and operands only upcast dots read)."""
     dots = upcast_dots(graph, backend)
-    sizes = {v: _f32_bytes(graph, v) for v in arithmetic_in_float32(graph, owner, backend)}
+    sizes = {v: float32_bytes(graph, v) for v in arithmetic_in_float32(graph, owner, backend)}
     for d in dots:
         w = graph.nodes[d].outputs[0]
         if graph.values[w].dtype in LOW_PRECISION and not _held_narrow(graph, owner, w):
-            sizes[w] = _f32_bytes(graph, w)
+            sizes[w] = float32_bytes(graph, w)
     chosen = set(dots)
     for o in _low_operands(graph, owner, dots):
         if o not in sizes and _replaced(graph, owner, o, chosen):
-            sizes[o] = _f32_bytes(graph, o)
+            sizes[o] = float32_bytes(graph, o)
     return sizes
 
 
@@ -270,12 +265,12 @@ def operand_copies(graph: Graph, order: Sequence[int], owner: Mapping[int, int],
         at = [pos[d] for d in readers if not _copied_by(graph, owner, d, o)]
         if not at or (o in widened and _replaced(graph, owner, o, chosen)):
             continue
-        out.append(Extra(o, _f32_bytes(graph, o), min(at), max(at), "float32 operand copy"))
+        out.append(Extra(o, float32_bytes(graph, o), min(at), max(at), "float32 operand copy"))
     for d in dots:  # a result held narrow is float32 until its convert, right after it
         w = graph.nodes[d].outputs[0]
         if (graph.values[w].dtype in LOW_PRECISION and w not in widened and d in pos
                 and owner.get(w, w) == w):
-            out.append(Extra(w, _f32_bytes(graph, w), pos[d], _last_fused_read(graph, owner,
+            out.append(Extra(w, float32_bytes(graph, w), pos[d], _last_fused_read(graph, owner,
                              pos, d, w), "float32 dot result"))
     return out
 
