@@ -10,9 +10,9 @@ those dims), derived once per program without compiling. Also times
 
 Programs: an MLP; the plain-JAX GPT (a Python loop over unnamed layers) and its
 ``lax.scan`` twin; a Flax linen decoder (:func:`bench.reach.linen_case`); the Flax NNX
-Llama of ``models/``; and bf16-compute variants of the GPT and the Llama (float32
-parameters and optimizer state, activations and matmuls in bfloat16, as the Llama's
-``1b`` preset trains).
+Llama of ``models/``; and bf16-compute variants of the GPT, of its scanned twin and of
+the Llama (float32 parameters and optimizer state, activations and matmuls in bfloat16,
+as the Llama's ``1b`` preset trains).
 
 Usage::
 
@@ -87,6 +87,8 @@ SUITE: dict[str, tuple[Callable[[int], Program], list[dict[str, int]], list[dict
     "gpt-bf16": (lambda n: gpt_program(layers=n, d=256, dtype=jnp.bfloat16), LM_FULL, LM_QUICK),
     "llama-bf16": (lambda n: llama_program("small", n_layers=n, dtype="bf16"), LM_FULL,
                    LM_QUICK),
+    "gpt-scan-bf16": (lambda n: gpt_scan_program(layers=n, d=256, dtype=jnp.bfloat16),
+                      LM_FULL, LM_QUICK),
 }
 
 

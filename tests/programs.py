@@ -85,6 +85,12 @@ def small_gpt_scan() -> Program:
     return gpt_scan_program(layers=2, d=64, heads=2, vocab=64, max_b=8, max_s=256)
 
 
+def small_gpt_scan_bf16() -> Program:
+    """:func:`small_gpt_scan` with bf16 compute (float32 parameters and AdamW state)."""
+    return gpt_scan_program(layers=2, d=64, heads=2, vocab=64, max_b=8, max_s=256,
+                            dtype=jnp.bfloat16)
+
+
 def small_llama_bf16() -> Program:
     """The ``tiny`` Flax NNX Llama with bf16 compute, as the ``1b`` preset trains."""
     return llama_program("tiny", max_b=8, max_s=256, dtype="bf16")

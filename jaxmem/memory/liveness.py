@@ -23,15 +23,11 @@ import sympy
 
 from jaxmem.graph import EXPENSIVE, Graph
 from jaxmem.memory.columns import Library, library_extras, library_fusions, library_owner
-from jaxmem.memory.copies import head_projection, is_head_split
+from jaxmem.memory.copies import copied_early
 from jaxmem.memory.epilogues import epilogue_broadcasts
 from jaxmem.memory.fillers import carried, feeds_loop, stacked_outputs
-from jaxmem.memory.fusion import (
-    Extra,
-    element_count,
-    transposed_copies,
-    used_nodes,
-)
+from jaxmem.memory.fusion import Extra, element_count, transposed_copies, used_nodes
+from jaxmem.memory.loop_operands import widened_loop_operands
 from jaxmem.memory.precision import buffer_sizes, operand_copies, upcast_dots
 from jaxmem.memory.random_bits import random_bits_counters, random_bits_sizes
 from jaxmem.memory.readers import distinct_full_operands, duplicated_bias_adds, reads
@@ -100,20 +96,19 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     srcs, copied = _buffer_sources(graph, owner, duplicated), set[tuple[int, int]]()
     upcast = frozenset(upcast_dots(graph, backend))
     copies = transposed_copies(graph, order, owner, size, copied, used, pairs, upcast)
-    base, copied = _copied_early(graph, order, owner, used, copies, copied, upcast)
+    base, copied = copied_early(graph, order, owner, used, copies, copied, upcast)
     convs = conv_copies(graph, order, size, copied)
     first_def, last_use = _definitions_and_uses(graph, order, owner, srcs, used, copied,
                                                 backend, duplicated)
-    for x in (*copies, *convs):  # a copied operand is read when its copy is made
-        for v in _copy_reads(graph, x, base, srcs, owner):
-            last_use[v] = max(last_use.get(v, x.start), x.start)
+    loops, ends = widened_loop_operands(graph, order, backend)
+    _read_by_copies(graph, (*copies, *convs), ends, base, srcs, owner, last_use)
     outputs = _output_buffers(graph, order, owner, first_def)
     reuse_end, in_output, taken = _shared_buffers(graph, order, owner, srcs, last_use,
                                                   outputs, widened, sizes, state_outputs)
     held = _held_outputs(first_def, outputs, taken)
     buffers = _value_buffers(graph, len(order), owner, outputs, {**first_def, **held},
                              last_use, reuse_end, in_output, size)
-    for x in (*copies, *convs,
+    for x in (*copies, *convs, *loops,
               *epilogue_broadcasts(graph, order, owner, first_def, upcast),
               *operand_copies(graph, order, owner, backend, widened),
               *window_broadcasts(graph, order, used, backend),
@@ -135,6 +130,21 @@ def _sizes(graph: Graph, owner: dict[int, int], used: Sequence[bool], backend: s
     return widened, bits, {
         **widened, **row_fused_sizes(graph, owner, widened, backend, library.rows),
         **reduction_sizes(graph, library.reductions, widened), **bits}
+
+
+def _read_by_copies(graph: Graph, copies: Sequence[Extra], ends: dict[int, tuple[int, int]],
+                    base: dict[int, int], srcs: Callable[[int], frozenset[int]],
+                    owner: dict[int, int], last_use: dict[int, int]) -> None:
+    """Moves ``last_use`` to where copies read their operands: a dot's or a convolution's
+    operand is read when its copy is made, and a loop operand XLA widens to float32 when
+    it is converted (``ends``: :func:`~jaxmem.memory.loop_operands.widened_loop_operands`)."""
+    for x in copies:
+        for v in _copy_reads(graph, x, base, srcs, owner):
+            last_use[v] = max(last_use.get(v, x.start), x.start)
+    for v, (loop, end) in ends.items():
+        for s in srcs(v):
+            if last_use.get(s) == loop:
+                last_use[s] = end
 
 
 def _copy_reads(graph: Graph, x: Extra, base: dict[int, int],
@@ -168,24 +178,6 @@ def _copy_reads(graph: Graph, x: Extra, base: dict[int, int],
     return sources
 
 
-def _copied_early(graph: Graph, order: Sequence[int], owner: dict[int, int],
-                  used: list[bool], copies: Sequence[Extra], copied: set[tuple[int, int]],
-                  upcast: frozenset[int]) -> tuple[dict[int, int], set[tuple[int, int]]]:
-    """For the transposed copies made as soon as their operand is written, or read by an
-    ``upcast`` dot (run in float32: the convert is the copy, and a bf16 decoder's heads die
-    once it is made): the buffer each copy reads (heads split off a projection: the
-    projection's), and the ``(dot, operand)`` reads of operands only they read."""
-    pos = {n: p for p, n in enumerate(order)}
-    prods = graph.producers
-    early = {x.value for x in copies
-             if x.value in prods and x.start == pos[prods[x.value]] + 1
-             and graph.nodes[prods[x.value]].primitive != "concatenate"}
-    heads = {v: head_projection(graph, graph.nodes[prods[v]]) for v in early}
-    base = {v: h for v, h in heads.items() if h is not None}
-    return base, _only_copied(graph, owner, used, {(ni, base.get(v, v)) for ni, v in copied
-                                                   if v in early or ni in upcast})
-
-
 def _buffer_sources(graph: Graph, owner: dict[int, int],
                     duplicated: dict[int, tuple[int, ...]]) -> Callable[[int], frozenset[int]]:
     """Buffers a value is read from: XLA recomputes a fused value from its sources' buffers."""
@@ -205,40 +197,6 @@ def _buffer_sources(graph: Graph, owner: dict[int, int],
         return res
 
     return srcs
-
-
-def _only_copied(graph: Graph, owner: dict[int, int], used: Sequence[bool],
-                 copied: set[tuple[int, int]]) -> set[tuple[int, int]]:
-    """The copied reads of operands no op reads in place: XLA frees such an operand once
-    its copies are made (an MoE's expert activations, copied for the forward and the
-    weight-gradient dot alike). Only copies made as soon as their operand is written
-    (``copied``) count. An operand also read in place keeps its own life, and so does a
-    sliced one (its copy is made at the dot, from the slice's source), and a concatenate
-    (rotary q and k): freeing those early under-predicts the GPTs (level 0 at (4, 128):
-    +1.6 -> -4.8 %, the q/k/v heads) and bench.unseen's dropout step (deepest -17.5 %)."""
-    targets = {v for _, v in copied}  # only their readers matter (most graphs: none)
-    readers = {s: _readers(graph, owner, used, s) for s in targets}
-    return {(ni, v) for ni, v in copied if all((r, v) in copied for r in readers[v])}
-
-
-def _readers(graph: Graph, owner: dict[int, int], used: Sequence[bool], s: int) -> set[int]:
-    """The live ops that read buffer ``s``: through its views and the values fused from it
-    (a walk forward from ``s``: the pass over every node's inputs it replaces was a sixth
-    of a 22-layer model's liveness). A split computed inside head copies reads nothing."""
-    nodes, consumers = graph.nodes, graph.consumers
-    found: set[int] = set()
-    seen, frontier = {s}, [s]
-    while frontier:
-        for c in consumers.get(frontier.pop(), ()):
-            n = nodes[c]
-            inside = n.primitive == "split" and all(owner.get(o, o) == -1 for o in n.outputs)
-            if used[c] and not is_head_split(graph, n) and not inside:  # (heads: read the dot's)
-                found.add(c)
-            for o in n.outputs:  # a view of ``s``, or a value computed from it in place
-                if o not in seen and owner.get(o, o) in (s, -1):
-                    seen.add(o)
-                    frontier.append(o)
-    return found
 
 
 def _definitions_and_uses(graph: Graph, order: Sequence[int], owner: dict[int, int],

@@ -51,6 +51,7 @@ from jaxmem.memory.copies import dot_copies
 from jaxmem.memory.frontier import candidate_points, max_expr, to_expr
 from jaxmem.memory.fusion import used_nodes
 from jaxmem.memory.liveness import Buffer, liveness
+from jaxmem.memory.loop_operands import bodies_as_run
 from jaxmem.memory.points import live_table
 from jaxmem.memory.schedule import xla_order
 from jaxmem.memory.slices import sliced_xs, slices_as_temps
@@ -335,7 +336,8 @@ def _bodies(graph: Graph, order: Sequence[int], dom: ShapeDomain,
             continue
         sliced = (sliced_xs(node.subgraphs[0], node.eqn.params)
                   if node.primitive == "scan" and node.eqn is not None else frozenset())
-        models = [_inner(g, dom, symbolic, backend, sliced) for g in node.subgraphs]
+        models = [_inner(g, dom, symbolic, backend, sliced)
+                  for g in bodies_as_run(graph, node, backend or jax.default_backend())]
         # ``max_expr``, not ``sympy.Max``: sympy re-simplified a body's own ``Max`` by
         # pairwise comparisons, a third of a scanned step's plan derivation.
         temp = max_expr([m.temp_bytes for m in models])
