@@ -10,9 +10,11 @@ those dims), derived once per program without compiling. Also times
 
 Programs: an MLP; the plain-JAX GPT (a Python loop over unnamed layers) and its
 ``lax.scan`` twin; a Flax linen decoder (:func:`bench.reach.linen_case`); the Flax NNX
-Llama of ``models/``; and bf16-compute variants of the GPT, of its scanned twin and of
+Llama of ``models/``; bf16-compute variants of the GPT, of its scanned twin and of
 the Llama (float32 parameters and optimizer state, activations and matmuls in bfloat16,
-as the Llama's ``1b`` preset trains).
+as the Llama's ``1b`` preset trains); and a Flax linen decoder with ``dtype=bfloat16``
+modules, unrolled and under ``nn.scan`` (:mod:`bench.linen_programs`: its softmax in
+bfloat16 too).
 
 Usage::
 
@@ -45,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxmem
+from bench.linen_programs import linen_bf16_program
 from bench.outputs import TextTable, add_output_arguments
 from bench.programs import Program, gpt_program, gpt_scan_program, llama_program, mlp_program
 
@@ -89,6 +92,8 @@ SUITE: dict[str, tuple[Callable[[int], Program], list[dict[str, int]], list[dict
                    LM_QUICK),
     "gpt-scan-bf16": (lambda n: gpt_scan_program(layers=n, d=256, dtype=jnp.bfloat16),
                       LM_FULL, LM_QUICK),
+    "linen-bf16": (lambda n: linen_bf16_program(layers=n), LM_FULL, LM_QUICK),
+    "linen-scan-bf16": (lambda n: linen_bf16_program(layers=n, scan=True), LM_FULL, LM_QUICK),
 }
 
 

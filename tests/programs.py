@@ -91,6 +91,13 @@ def small_gpt_scan_bf16() -> Program:
                             dtype=jnp.bfloat16)
 
 
+def small_linen_bf16() -> Program:
+    """A 2-layer Flax linen decoder with ``dtype=bfloat16`` modules (its softmax in bf16)."""
+    from bench.linen_programs import linen_bf16_program
+
+    return linen_bf16_program(layers=2, d=64, heads=4, vocab=128, max_b=8, max_s=256)
+
+
 def small_llama_bf16() -> Program:
     """The ``tiny`` Flax NNX Llama with bf16 compute, as the ``1b`` preset trains."""
     return llama_program("tiny", max_b=8, max_s=256, dtype="bf16")

@@ -47,7 +47,7 @@ def test_rows_cover_every_level_and_carry_its_own_prediction() -> None:
 
 def test_suite_has_scanned_linen_and_bf16_programs() -> None:
     assert {"gpt", "gpt-scan", "linen", "llama", "gpt-bf16", "llama-bf16",
-            "gpt-scan-bf16"} <= set(accuracy.SUITE)
+            "gpt-scan-bf16", "linen-bf16", "linen-scan-bf16"} <= set(accuracy.SUITE)
     bf16 = accuracy.SUITE["gpt-bf16"][0](1)
     # Mixed precision: float32 parameters, bfloat16 compute.
     assert {x.dtype for x in jax.tree_util.tree_leaves(bf16.state)} == {

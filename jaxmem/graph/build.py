@@ -203,7 +203,7 @@ def _params(eqn: Any) -> tuple[tuple[str, Any], ...]:
     if name == "conv_general_dilated":  # which operands XLA must transpose
         dn = eqn.params["dimension_numbers"]
         return (("lhs_spec", tuple(dn.lhs_spec)), ("rhs_spec", tuple(dn.rhs_spec)))
-    if name == "reduce_sum":  # XLA's CPU library takes row sums (memory/ynn.py)
+    if name in ("reduce_sum", "reduce_max"):  # XLA CPU's library rows (memory/ynn.py, precision.py)
         return (("axes", tuple(int(a) for a in eqn.params["axes"])),)
     if name.startswith("reduce_window"):  # whether XLA's CPU library takes the window
         return tuple((k, tuple(eqn.params[k])) for k in (
