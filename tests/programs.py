@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxmem
+from bench.accuracy import polymorphic_shapes
 from bench.programs import (
     Program,
     attention_program,
@@ -163,6 +164,15 @@ def errors_against_xla(program: Program, shapes: Sequence[Mapping[str, int]]
         predicted = report.peak_bytes_at(**dims)
         rows.append((dict(dims), actual, predicted, relative_error(predicted, actual)))
     return rows
+
+
+def level_error(program: Program, level: int, dims: Mapping[str, int]) -> float:
+    """Relative error of ``jaxmem.jit``'s prediction for plan level ``level`` at ``dims``
+    against XLA's peak of that level's executable (the batch symbolic, the state not)."""
+    f = jaxmem.jit(program.step, polymorphic_shapes=polymorphic_shapes(program),
+                   constraints=program.constraints)
+    plan = f.compile_level(level, *program.concrete_args(dims))
+    return relative_error(plan.predicted_peak_bytes, plan.peak_bytes)
 
 
 def within_bounds(rows: Sequence[tuple[dict[str, int], int, int, float]]) -> str | None:
