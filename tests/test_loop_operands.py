@@ -15,7 +15,7 @@ import pytest
 from programs import level_error, small_gpt_scan_bf16
 
 from jaxmem.graph import build_graph
-from jaxmem.memory.loop_operands import bodies_as_run, widened_loop_operands
+from jaxmem.memory.loop_operands import as_run, widened_inputs, widened_loop_operands
 
 BF, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 S = jax.ShapeDtypeStruct
@@ -83,16 +83,17 @@ def test_the_operand_dies_at_its_convert_and_the_copy_lives_through_the_loop() -
     assert ends == {copy.value: (loop, 0)}
 
 
-def test_bodies_as_run_read_float32_copies_once_per_body() -> None:
+def test_bodies_as_run_read_float32_copies() -> None:
     fn, specs = CASES[0][1], CASES[0][2]
     g = build_graph(jax.make_jaxpr(fn)(*specs))
     scan = next(n for n in g.nodes if n.primitive == "scan")
-    body, = bodies_as_run(g, scan, "cpu")
+    traced = scan.subgraphs[0]
+    body = as_run(traced, widened_inputs(g, scan, "cpu"))
     x = body.inputs[-1]  # the slice of xs
-    assert (scan.subgraphs[0].values[x].dtype, body.values[x].dtype) == ("bfloat16", "float32")
-    assert body.values[x].nbytes == 2 * scan.subgraphs[0].values[x].nbytes
-    assert bodies_as_run(g, scan, "cpu")[0] is body
-    assert bodies_as_run(g, scan, "gpu") == scan.subgraphs
+    assert (traced.values[x].dtype, body.values[x].dtype) == ("bfloat16", "float32")
+    assert body.values[x].nbytes == 2 * traced.values[x].nbytes
+    assert widened_inputs(g, scan, "gpu") == frozenset()
+    assert as_run(traced, frozenset()) is traced
 
 
 @cpu_only

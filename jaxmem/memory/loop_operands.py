@@ -16,7 +16,7 @@ XLA's peak left out without this rule). So
 
 Carried values and stacked outputs stay bfloat16, and so does float16 (which the CPU
 backend computes in its own type outside dots). :func:`widened_loop_operands` gives
-the float32 copies, :func:`bodies_as_run` the bodies reading them.
+the float32 copies, :func:`as_run` the bodies reading them.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -34,7 +34,6 @@ Example:
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator, Sequence
 
 from jaxmem.graph import Graph, Node, replaced, scan_counts
@@ -64,7 +63,7 @@ def widened_loop_operands(graph: Graph, order: Sequence[int], backend: str
     pos = {ni: p for p, ni in enumerate(order)}
     loops: dict[int, list[int]] = {}  # operand -> positions of the loops reading it
     for p, ni in enumerate(order):
-        for v in dict.fromkeys(_converted_operands(graph, graph.nodes[ni])):
+        for v in dict.fromkeys(v for v, _ in _converted_operands(graph, graph.nodes[ni])):
             loops.setdefault(v, []).append(p)
     copies, ends = [], {}
     for v, at in loops.items():  # one copy per operand: XLA's CSE shares the convert
@@ -78,8 +77,9 @@ def widened_loop_operands(graph: Graph, order: Sequence[int], backend: str
     return copies, ends
 
 
-def _converted_operands(graph: Graph, node: Node) -> Iterator[int]:
-    """The bfloat16 operands of loop ``node`` its body reads through a float32 convert."""
+def _converted_operands(graph: Graph, node: Node) -> Iterator[tuple[int, int]]:
+    """The bfloat16 operands of loop ``node`` its (last) body reads through a float32
+    convert, each with the body input it is read as."""
     params = node.eqn.params if node.eqn is not None else {}
     if node.primitive == "scan" and params and node.subgraphs:
         consts, carry = scan_counts(params)
@@ -101,7 +101,7 @@ def _converted_operands(graph: Graph, node: Node) -> Iterator[int]:
                                ) - frozenset(upcast_dots(body, "cpu"))
         readers = _readers(body, inner)
         if any(r not in native for r in readers) or (kind == "xs" and readers):
-            yield v
+            yield v, inner
 
 
 def _readers(body: Graph, v: int) -> list[int]:
@@ -118,41 +118,22 @@ def _readers(body: Graph, v: int) -> list[int]:
     return out
 
 
-def bodies_as_run(graph: Graph, node: Node, backend: str) -> tuple[Graph, ...]:
-    """``node``'s bodies as XLA runs them: on CPU, a loop body reads its float32 copies of
-    the operands :func:`widened_loop_operands` counts, so the slices it copies out of
-    them are float32 and its dots read them with no convert of their own (the scanned
-    bf16 GPT at (8, 256), level 0: -7.7 % against XLA with the bodies as traced, -4.3 %
-    so, when this rule was first written)."""
+def widened_inputs(graph: Graph, node: Node, backend: str) -> frozenset[int]:
+    """The inputs of loop ``node``'s (last) body that read float32 copies of bfloat16
+    operands (:func:`widened_loop_operands`); none off the CPU backend."""
     if backend != "cpu" or not node.subgraphs:
-        return node.subgraphs
-    wide = _widened_inputs(graph, node)
-    if not wide:
-        return node.subgraphs
-    return (*node.subgraphs[:-1], _as_float32(node.subgraphs[-1], wide))
+        return frozenset()
+    return frozenset(inner for _, inner in _converted_operands(graph, node))
 
 
-def _widened_inputs(graph: Graph, node: Node) -> frozenset[int]:
-    """The inputs of ``node``'s (last) body whose operands XLA widens."""
-    converted = set(_converted_operands(graph, node))
-    offset = node.eqn.params.get("cond_nconsts", 0) if node.primitive == "while" else 0
-    return frozenset(inner for k, inner in enumerate(node.subgraphs[-1].inputs)
-                     if offset + k < len(node.operands) and node.operands[offset + k] in converted)
-
-
-def _as_float32(body: Graph, inputs: frozenset[int]) -> Graph:
-    """``body`` with ``inputs`` typed float32; one graph per body object and inputs, so
-    that the body's memory model is derived once (:func:`jaxmem.memory.model._inner`)."""
-    key = (id(body), inputs)
-    hit = _FLOAT32_BODIES.get(key)
-    if hit is not None and hit[0]() is body:
-        return hit[1]
+def as_run(body: Graph, inputs: frozenset[int]) -> Graph:
+    """``body`` as XLA runs it: ``inputs`` (:func:`widened_inputs`) typed float32, so the
+    slices it copies out of them are float32 and its dots read them with no convert of
+    their own (the scanned bf16 GPT at (8, 256), level 0: -7.7 % against XLA with the
+    body as traced, -4.3 % so, when this rule was first written)."""
+    if not inputs:
+        return body
     values = list(body.values)
     for v in inputs:
         values[v] = replaced(values[v], dtype="float32", nbytes=float32_bytes(body, v))
-    out = replaced(body, values=tuple(values))
-    _FLOAT32_BODIES[key] = (weakref.ref(body, lambda _: _FLOAT32_BODIES.pop(key, None)), out)
-    return out
-
-
-_FLOAT32_BODIES: dict[tuple[int, frozenset[int]], tuple[weakref.ref, Graph]] = {}
+    return replaced(body, values=tuple(values))

@@ -51,7 +51,7 @@ from jaxmem.memory.copies import dot_copies
 from jaxmem.memory.frontier import candidate_points, max_expr, to_expr
 from jaxmem.memory.fusion import used_nodes
 from jaxmem.memory.liveness import Buffer, liveness
-from jaxmem.memory.loop_operands import bodies_as_run
+from jaxmem.memory.loop_operands import as_run, widened_inputs
 from jaxmem.memory.points import live_table
 from jaxmem.memory.schedule import xla_order
 from jaxmem.memory.slices import sliced_xs, slices_as_temps
@@ -198,19 +198,21 @@ class _Body:
 
 
 def _inner(graph: Graph, dom: ShapeDomain, symbolic: bool, backend: str | None,
-           slices: frozenset[int] = frozenset()) -> MemoryModel:
+           slices: frozenset[int] = frozenset(), wide: frozenset[int] = frozenset()
+           ) -> MemoryModel:
     """A body's memory. Its outputs are the loop's state, allocated outside and live
     throughout, so no temporary of the body can sit in them; ``slices``: its inputs
-    XLA copies out of their stacks (:func:`~jaxmem.memory.slices.sliced_xs`).
+    XLA copies out of their stacks (:func:`~jaxmem.memory.slices.sliced_xs`); ``wide``:
+    its inputs read as float32 copies (:func:`~jaxmem.memory.loop_operands.as_run`).
 
     One model per body graph object: the candidate plans of a scanned step share
     their bodies with the step they rewrite, which re-derived each body's model."""
-    key = (id(graph), dom, symbolic, backend, slices)
+    key = (id(graph), dom, symbolic, backend, slices, wide)
     hit = _BODY_MODELS.get(key)
     if hit is not None and hit[0]() is graph:
         return hit[1]
-    m = memory_model(graph, dom, symbolic=symbolic, reuse_outputs=False, backend=backend,
-                     body_slices=slices)
+    m = memory_model(as_run(graph, wide), dom, symbolic=symbolic, reuse_outputs=False,
+                     backend=backend, body_slices=slices)
     _BODY_MODELS[key] = (weakref.ref(graph, lambda _: _BODY_MODELS.pop(key, None)), m)
     return m
 
@@ -336,8 +338,9 @@ def _bodies(graph: Graph, order: Sequence[int], dom: ShapeDomain,
             continue
         sliced = (sliced_xs(node.subgraphs[0], node.eqn.params)
                   if node.primitive == "scan" and node.eqn is not None else frozenset())
-        models = [_inner(g, dom, symbolic, backend, sliced)
-                  for g in bodies_as_run(graph, node, backend or jax.default_backend())]
+        wide = widened_inputs(graph, node, backend or jax.default_backend())
+        models = [_inner(g, dom, symbolic, backend, sliced, wide if g is node.subgraphs[-1]
+                         else frozenset()) for g in node.subgraphs]
         # ``max_expr``, not ``sympy.Max``: sympy re-simplified a body's own ``Max`` by
         # pairwise comparisons, a third of a scanned step's plan derivation.
         temp = max_expr([m.temp_bytes for m in models])

@@ -247,12 +247,13 @@ def softmax_exps(graph: Graph) -> set[int]:
     return out
 
 
-def _float32_exps(graph: Graph, owner: Mapping[int, int], pos: Mapping[int, int]
-                  ) -> list[Extra]:
-    """The float32 result of each :func:`softmax_exps` ``exp``, from its producer to the
-    readers converting it to float32 (the row sum), which read it before the convert."""
+def _float32_exps(graph: Graph, owner: Mapping[int, int], pos: Mapping[int, int],
+                  exps: set[int]) -> list[Extra]:
+    """The float32 result of each ``exp`` of ``exps`` (:func:`softmax_exps`), from its
+    producer to the readers converting it to float32 (the row sum), which read it before
+    the convert."""
     out = []
-    for v in softmax_exps(graph):
+    for v in exps:
         p = graph.producers[v]
         if p not in pos:
             continue
@@ -309,10 +310,11 @@ def operand_copies(graph: Graph, order: Sequence[int], owner: Mapping[int, int],
     ``buffer_sizes(graph, owner, backend)``, when the caller has it."""
     widened = buffer_sizes(graph, owner, backend) if widened is None else widened
     dots = upcast_dots(graph, backend)
-    if not dots and not widened and (backend != "cpu" or not softmax_exps(graph)):
+    exps = softmax_exps(graph) if backend == "cpu" else set()
+    if not dots and not widened and not exps:
         return []  # a float32 program: no pass over the order
     pos = {n: p for p, n in enumerate(order)}
-    out = _narrow_copies(graph, owner, pos, widened) + _float32_exps(graph, owner, pos)
+    out = _narrow_copies(graph, owner, pos, widened) + _float32_exps(graph, owner, pos, exps)
     chosen = set(dots)
     for o, readers in _low_operands(graph, owner, dots).items():
         # A transposed copy is the convert of the dots reading through it (f32 copies).
