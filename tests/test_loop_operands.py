@@ -83,6 +83,29 @@ def test_the_operand_dies_at_its_convert_and_the_copy_lives_through_the_loop() -
     assert ends == {copy.value: (loop, 0)}
 
 
+FILLED = {  # a (B, D) bf16 const a loop computes on: a constant's broadcast, or an argument's
+    "a constant's broadcast": lambda a: jnp.full((B, D), 0.5, BF),
+    "an argument's broadcast": lambda a: jnp.broadcast_to(a[None], (B, D)),
+}
+
+
+@cpu_only
+@pytest.mark.parametrize("name", list(FILLED))
+def test_a_broadcast_of_a_constant_is_made_in_the_body_not_widened(name) -> None:
+    # XLA sinks a constant's broadcast into the loop body: no copy of it outside.
+    def fn(c, a):
+        w = FILLED[name](a)
+        return _scan(lambda c, _: (jnp.tanh(c * w), None), c, jnp.zeros(L))[0]
+
+    specs = (S((B, D), BF), S((D,), BF))
+    g = build_graph(jax.make_jaxpr(fn)(*specs))
+    copies, _ = widened_loop_operands(g, range(len(g.nodes)), "cpu")
+    txt = jax.jit(fn).lower(*specs).compile().as_text()
+    entry = txt[txt.index("ENTRY"):]
+    xla_widens = re.search(rf"= f32\[{B},{D}\]\S* (?:fusion|convert)\(", entry) is not None
+    assert bool(copies) == xla_widens == (name == "an argument's broadcast")
+
+
 def test_bodies_as_run_read_float32_copies() -> None:
     fn, specs = CASES[0][1], CASES[0][2]
     g = build_graph(jax.make_jaxpr(fn)(*specs))

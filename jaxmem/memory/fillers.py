@@ -51,11 +51,18 @@ def sunk_broadcasts(graph: Graph) -> frozenset[int]:
     Returns:
         The value ids of those broadcasts.
     """
-    return frozenset(
-        n.outputs[0] for n in graph.nodes
-        if n.primitive == "broadcast_in_dim" and n.outputs[0] in graph.constant
-        # the cheap test first: most broadcasts feed no loop
-        and _only_read_by_loops(graph, n.outputs[0]) and _filled_from_scalar(graph, n))
+    return frozenset(n.outputs[0] for n in graph.nodes
+                     if n.primitive == "broadcast_in_dim" and is_sunk(graph, n.outputs[0]))
+
+
+def is_sunk(graph: Graph, v: int) -> bool:
+    """Whether ``v`` is one of :func:`sunk_broadcasts`: no loop's operand outside its body."""
+    producer = graph.producers.get(v)
+    return (producer is not None and graph.nodes[producer].primitive == "broadcast_in_dim"
+            and v in graph.constant
+            # the cheap test first: most broadcasts feed no loop
+            and _only_read_by_loops(graph, v)
+            and _filled_from_scalar(graph, graph.nodes[producer]))
 
 
 def stacked_outputs(graph: Graph, used: list[bool]) -> list[int]:

@@ -15,8 +15,11 @@ XLA's peak left out without this rule). So
   float32, not when every reader is such a native dot.
 
 Carried values and stacked outputs stay bfloat16, and so does float16 (which the CPU
-backend computes in its own type outside dots). :func:`widened_loop_operands` gives
-the float32 copies, :func:`as_run` the bodies reading them.
+backend computes in its own type outside dots). A constant's broadcast is no operand
+at all: XLA makes it inside the body (:func:`~jaxmem.memory.fillers.is_sunk`; a
+scanned linen bf16 decoder's causal filler, widened, was 32 MiB too many at (8, 512)).
+:func:`widened_loop_operands` gives the float32 copies, :func:`as_run` the bodies
+reading them.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -37,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from jaxmem.graph import Graph, Node, replaced, scan_counts
+from jaxmem.memory.fillers import is_sunk
 from jaxmem.memory.fusion import Extra, float32_bytes
 from jaxmem.memory.precision import upcast_dots
 
@@ -94,7 +98,8 @@ def _converted_operands(graph: Graph, node: Node) -> Iterator[tuple[int, int]]:
     for k, inner in enumerate(body.inputs):
         v = node.operands[offset + k] if offset + k < len(node.operands) else None
         kind = kinds[k] if k < len(kinds) else ("xs" if node.primitive == "scan" else "carry")
-        if v is None or kind == "carry" or graph.values[v].dtype != "bfloat16":
+        if (v is None or kind == "carry" or graph.values[v].dtype != "bfloat16"
+                or is_sunk(graph, v)):  # the body makes it: no operand outside to convert
             continue
         if native is None:
             native = frozenset(n.index for n in body.nodes if n.primitive == "dot_general"
