@@ -18,8 +18,13 @@ from programs import bf16_attention_args, bf16_attention_step, level_error, smal
 
 import jaxmem
 from jaxmem.graph import build_graph
-from jaxmem.memory import liveness, memory_model
-from jaxmem.memory.precision import buffer_sizes, softmax_exps, upcast_dots
+from jaxmem.memory import liveness, materialised, memory_model
+from jaxmem.memory.precision import (
+    buffer_sizes,
+    narrow_copy_ranges,
+    softmax_exps,
+    upcast_dots,
+)
 from jaxmem.symbolic import ShapeDomain
 
 BF, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -310,3 +315,26 @@ def test_bf16_linen_decoder_level_0_within_five_percent(dims) -> None:
     # Flax's attention with dtype=bfloat16: its softmax's exp was a float32 buffer in
     # the model (+13.6 / +8.5 % at these shapes), XLA keeps it bfloat16.
     assert abs(level_error(small_linen_bf16(), 0, dims)) <= 0.05
+
+
+def _residual_step(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # A bf16 residual add read three ways: converted to float32 by a norm before a dot,
+    # by the next bf16 add, and by a barrier (a segment's saved cut).
+    h = x + jnp.tanh(x)
+    normed = h.astype(F32) * jax.lax.rsqrt(jnp.mean(h.astype(F32) ** 2, -1, keepdims=True))
+    kept = jax.lax.optimization_barrier(h)
+    return normed @ w, (h + jnp.sin(h)) * kept
+
+
+def test_a_narrow_read_float32_result_hands_later_readers_its_copy() -> None:
+    specs = (S((256, 64), BF), S((64, 64), F32))
+    g = build_graph(jax.make_jaxpr(_residual_step)(*specs))
+    owner = materialised(g)
+    widened = buffer_sizes(g, owner, "cpu")
+    pos = {n: n for n in range(len(g.nodes))}
+    ((h, (start, wide_end, copy_end)),) = narrow_copy_ranges(g, owner, pos, widened).items()
+    assert g.nodes[g.producers[h]].primitive == "add" and h in widened
+    readers = sorted(g.consumers[h])
+    assert start < wide_end < copy_end == readers[-1]
+    converts = [r for r in readers if g.nodes[r].primitive == "convert_element_type"]
+    assert converts and wide_end < max(r for r in readers if r not in converts)

@@ -28,7 +28,12 @@ from jaxmem.memory.epilogues import epilogue_broadcasts
 from jaxmem.memory.fillers import carried, feeds_loop, stacked_outputs
 from jaxmem.memory.fusion import Extra, element_count, transposed_copies, used_nodes
 from jaxmem.memory.loop_operands import widened_loop_operands
-from jaxmem.memory.precision import buffer_sizes, operand_copies, upcast_dots
+from jaxmem.memory.precision import (
+    buffer_sizes,
+    narrow_copy_ranges,
+    operand_copies,
+    upcast_dots,
+)
 from jaxmem.memory.random_bits import random_bits_counters, random_bits_sizes
 from jaxmem.memory.readers import distinct_full_operands, duplicated_bias_adds, reads
 from jaxmem.memory.reductions import reduction_sizes
@@ -101,7 +106,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     first_def, last_use = _definitions_and_uses(graph, order, owner, srcs, used, copied,
                                                 backend, duplicated)
     loops, ends = widened_loop_operands(graph, order, backend)
-    _read_by_copies(graph, (*copies, *convs), ends, base, srcs, owner, last_use)
+    _read_by_copies(graph, order, (*copies, *convs), ends, widened, base, srcs, owner, last_use)
     outputs = _output_buffers(graph, order, owner, first_def)
     reuse_end, in_output, taken = _shared_buffers(graph, order, owner, srcs, last_use,
                                                   outputs, widened, sizes, state_outputs)
@@ -132,12 +137,15 @@ def _sizes(graph: Graph, owner: dict[int, int], used: Sequence[bool], backend: s
         **reduction_sizes(graph, library.reductions, widened), **bits}
 
 
-def _read_by_copies(graph: Graph, copies: Sequence[Extra], ends: dict[int, tuple[int, int]],
+def _read_by_copies(graph: Graph, order: Sequence[int], copies: Sequence[Extra],
+                    ends: dict[int, tuple[int, int]], widened: dict[int, sympy.Expr],
                     base: dict[int, int], srcs: Callable[[int], frozenset[int]],
                     owner: dict[int, int], last_use: dict[int, int]) -> None:
     """Moves ``last_use`` to where copies read their operands: a dot's or a convolution's
-    operand is read when its copy is made, and a loop operand XLA widens to float32 when
-    it is converted (``ends``: :func:`~jaxmem.memory.loop_operands.widened_loop_operands`)."""
+    operand is read when its copy is made, a loop operand XLA widens to float32 when
+    it is converted (``ends``: :func:`~jaxmem.memory.loop_operands.widened_loop_operands`),
+    and a float32 result (in ``widened``) some reader needs narrow by its float32
+    readers only, the others reading its copy (:func:`~.precision.narrow_copy_ranges`)."""
     for x in copies:
         for v in _copy_reads(graph, x, base, srcs, owner):
             last_use[v] = max(last_use.get(v, x.start), x.start)
@@ -145,6 +153,12 @@ def _read_by_copies(graph: Graph, copies: Sequence[Extra], ends: dict[int, tuple
         for s in srcs(v):
             if last_use.get(s) == loop:
                 last_use[s] = end
+    if not widened:
+        return  # a float32 program: no positions to build
+    pos = {n: p for p, n in enumerate(order)}
+    for v, (_, wide_end, _) in narrow_copy_ranges(graph, owner, pos, widened).items():
+        for s in srcs(v):
+            last_use[s] = min(last_use.get(s, wide_end), wide_end)
 
 
 def _copy_reads(graph: Graph, x: Extra, base: dict[int, int],
