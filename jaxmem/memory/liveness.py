@@ -39,6 +39,7 @@ from jaxmem.memory.readers import distinct_full_operands, duplicated_bias_adds, 
 from jaxmem.memory.reductions import reduction_sizes
 from jaxmem.memory.scatters import batched_index_tuples, scattered_zeros
 from jaxmem.memory.schedule import BFS_BACKENDS
+from jaxmem.memory.tree_sums import tree_sum_inputs
 from jaxmem.memory.windows import conv_copies, max_pool_gradient_buffers, window_broadcasts
 from jaxmem.memory.ynn import row_fused_sizes
 
@@ -120,6 +121,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
               *max_pool_gradient_buffers(graph, order, used, backend),
               *batched_index_tuples(graph, order, backend),
               *scattered_zeros(graph, order, backend, owner),
+              *tree_sum_inputs(graph, order, used, backend),
               *random_bits_counters(graph, order, bits),
               *library_extras(graph, order, used, backend, library)):
         buffers.append(Buffer(x.value, x.nbytes, x.start, x.end, "temp", x.note))
