@@ -14,8 +14,8 @@ import jaxmem
 from jaxmem.graph import build_graph
 from jaxmem.lower import as_function, compiler_options
 from jaxmem.memory import materialised
-from jaxmem.plan.remat import ChainMemo, apply_remat, chain_memo
-from jaxmem.plan.residuals import clean_scope, find_residuals, is_forward, recompute_chain
+from jaxmem.plan.remat import apply_remat
+from jaxmem.plan.residuals import clean_scope, find_residuals, is_forward
 
 D, H, LAYERS, B = 16, 128, 3, 64
 
@@ -145,26 +145,6 @@ def test_the_optimizer_reads_pinned_gradients_from_the_barrier():
     want = jax.jit(as_function(graph))(*jax.tree_util.tree_leaves((params, x)))
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-def test_chain_memo_answers_as_a_fresh_walk():
-    """Saved sets that differ, in random order and repeated: the memo's chains are
-    ``recompute_chain``'s, with and without the heavy-op bound."""
-    g, _ = grad_graph()
-    rs = find_residuals(g)
-    base = {r.value for r in rs} | set(g.inputs)
-    memo = ChainMemo()
-    rng = np.random.default_rng(0)
-    asked = 0
-    for _ in range(60):
-        dropped = {r.value for r in rs if rng.random() < 0.5}
-        leaves = base - dropped
-        for r in rs:
-            for bound in (None, 2, 0):
-                want = recompute_chain(g, r.value, leaves, bound, r.producer)
-                assert memo.chain(g, r.value, leaves, bound, r.producer) == want
-                asked += want is not None
-    assert asked > 0 and chain_memo(g) is chain_memo(g)
 
 
 def test_no_rebuild_is_pinned_to_a_value_made_of_constants():

@@ -24,23 +24,14 @@ Example:
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Collection, Iterable, Sequence
 
 import sympy
 
 from jaxmem.graph import Graph, Node, Value, replaced
-from jaxmem.memory import materialised
+from jaxmem.plan.chain_memo import Chain, chain_memo
 from jaxmem.plan.offload import transfer_eqn
-from jaxmem.plan.residuals import (
-    Residual,
-    find_residuals,
-    is_heavy,
-    recompute_chain,
-    recompute_chains_from,
-)
-
-Chain = tuple[int, ...]  # indices of the forward nodes one residual's rewrite re-runs
+from jaxmem.plan.residuals import Residual, find_residuals, is_heavy, recompute_chains_from
 
 
 def _live_anyway(graph: Graph, residuals: Sequence[Residual] | None) -> set[int]:
@@ -105,95 +96,6 @@ def offload_chains(graph: Graph, offload: Iterable[Residual],
         if all(c is not None for c in chains):
             out.append((r, tuple(sorted({i for c in chains for i in c}))))  # type: ignore[union-attr]
     return out
-
-
-class ChainMemo:
-    """The :func:`~jaxmem.plan.residuals.recompute_chain` walks made on one graph, reused
-    where their answer cannot differ.
-
-    A plan search asks for the chain of the same residual against saved sets that
-    differ only in residuals far from it. A walk depends on the saved set only
-    through the values it visits (each either stops the walk or is rebuilt), so a
-    found chain is reused whenever every value it visited has the same membership
-    as when it was found; anything else walks again (failed walks are not kept).
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> from jaxmem.graph import build_graph
-        >>> f = lambda w, x: jnp.tanh(jnp.tanh(x @ w) @ w).sum()
-        >>> g = build_graph(jax.make_jaxpr(jax.grad(f))(jnp.ones((4, 4)), jnp.ones((2, 4))))
-        >>> r = find_residuals(g)[-1]
-        >>> memo = ChainMemo()
-        >>> memo.chain(g, r.value, set(g.inputs)) == recompute_chain(g, r.value, set(g.inputs))
-        True
-    """
-
-    def __init__(self) -> None:
-        # Not the graph itself: the memo lives while its graph does (see chain_memo).
-        # (value, max_heavy, besides) -> [(chain, visited values in the saved set, the rest)]
-        self.found: dict[tuple[int, int | None, int | None],
-                         list[tuple[Chain, frozenset[int], frozenset[int]]]] = {}
-        self._owner: dict[int, int] | None = None
-        self._last_read: dict[int, int] | None = None
-        self._backward: list[bool] | None = None
-
-    def backward(self, graph: Graph) -> list[bool]:
-        """``node.is_backward`` per node, computed once per graph (each rewrite of a
-        22-layer step asked it three times per node). Read only."""
-        if self._backward is None:
-            self._backward = [n.is_backward for n in graph.nodes]
-        return self._backward
-
-    def owner(self, graph: Graph) -> dict[int, int]:
-        """``materialised(graph)``, computed once: every candidate plan rewrites the same
-        graph (17 rewrites of a 22-layer step each spent 20 ms on it). Read only."""
-        if self._owner is None:
-            self._owner = materialised(graph)
-        return self._owner
-
-    def last_read(self, graph: Graph) -> dict[int, int]:
-        """Value -> the last node reading it (outputs left out: they stay live to the end
-        anyway), computed once per graph. Read only."""
-        if self._last_read is None:
-            last: dict[int, int] = {}
-            for n in graph.nodes:
-                last.update((v, n.index) for v in n.inputs)
-            for v in graph.outputs:
-                last.pop(v, None)
-            self._last_read = last
-        return self._last_read
-
-    def chain(self, graph: Graph, value: int, leaves: set[int], max_heavy: int | None = None,
-              besides: int | None = None) -> Chain | None:
-        """``recompute_chain(graph, value, leaves, max_heavy, besides)``."""
-        key = (value, max_heavy, besides)
-        entries = self.found.setdefault(key, [])
-        for chain, stops, rebuilt in entries:
-            if stops <= leaves and rebuilt.isdisjoint(leaves):
-                return chain
-        chain = recompute_chain(graph, value, leaves, max_heavy, besides)
-        if chain is not None:
-            nodes = graph.nodes
-            visited = {v for i in chain for v in nodes[i].inputs} - {value}
-            stops = frozenset(v for v in visited if v in leaves)
-            entries.insert(0, (chain, stops, frozenset(visited - stops)))
-            del entries[_MEMO_ENTRIES:]
-        return chain
-
-
-_MEMO_ENTRIES = 4  # chains kept per residual: the searches alternate between a few
-_MEMOS: dict[int, tuple[weakref.ref, ChainMemo]] = {}
-
-
-def chain_memo(graph: Graph) -> ChainMemo:
-    """The :class:`ChainMemo` of ``graph``: one per live graph object, dropped with it."""
-    key = id(graph)
-    entry = _MEMOS.get(key)
-    if entry is not None and entry[0]() is graph:
-        return entry[1]
-    memo = ChainMemo()
-    _MEMOS[key] = (weakref.ref(graph, lambda _: _MEMOS.pop(key, None)), memo)
-    return memo
 
 
 def apply_remat(graph: Graph, recompute: Iterable[Residual], offload: Iterable[Residual] = (),
@@ -262,6 +164,7 @@ class _Rewrite:
         # (until the backward pass makes others) ones made of dims and constants, like the
         # loss's cotangent: pinned to one, a rebuild raced the forward tail.
         self.owner, self.constant, self.began = memo.owner(graph), graph.constant, False
+        self.looped = {o for n in graph.nodes if n.subgraphs for o in n.outputs}
 
     def track_live(self, node: Node, backward: bool) -> None:
         """Updates :attr:`live` and :attr:`last_out` after ``node`` ran (``backward``: its pass)."""
@@ -320,13 +223,16 @@ class _Rewrite:
         self.sent.update(zip(values, barrier_out[len(values):], strict=True))
 
     def copy_node(self, node: Node, backward: bool) -> None:
-        """Emits an original node: a backward one, or any once the backward pass began,
-        reads the clones and barrier outputs so far; a forward one what was offloaded. (An
-        optimizer reading a pinned gradient as it was kept it past the update XLA writes in
-        its place: 11 MiB more temporaries, a scanned bf16 GPT's segment level at (1, 32).)"""
-        late = backward or self.began
-        rename = self.rename if late else self.sent
-        if not late and not (self.sent and any(v in self.sent for v in node.inputs)):
+        """Emits an original node: a backward one reads the clones and barrier outputs so
+        far, a forward one what was offloaded, and any other, once the backward pass began,
+        a loop's pinned results from the barrier (an optimizer reading a scan's stacked
+        gradients as they were kept them past the update XLA writes in their place: 11 MiB
+        more temporaries, a scanned bf16 GPT's segment level at (1, 32))."""
+        rename = self.rename if backward else self.sent
+        if not backward and self.began:
+            rename = {**self.sent, **{v: self.rename[v] for v in node.inputs
+                                      if v in self.rename and v in self.looped}}
+        if not backward and not (rename and any(v in rename for v in node.inputs)):
             # emit's result (the node, or it at its new position) without building tuples
             index = len(self.nodes)
             self.nodes.append(node if index == node.index else replaced(node, index=index))
