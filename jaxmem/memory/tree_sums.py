@@ -37,13 +37,14 @@ def tree_sum_inputs(graph: Graph, order: Sequence[int], used: Sequence[bool],
     """The float32 input of each used bfloat16 ``reduce_sum`` ``backend`` sums in windows,
     at the sum's position in ``order``; ``Piecewise`` in the reduced element count where
     the dims decide it."""
-    if backend != "cpu":
-        return []
+    sums = [n for n in graph.nodes if n.primitive == "reduce_sum" and used[n.index]
+            and n.inputs and graph.values[n.inputs[0]].dtype == "bfloat16"]
+    if backend != "cpu" or not sums:
+        return []  # (a float32 program: no positions to build)
     pos = {ni: p for p, ni in enumerate(order)}
     out = []
-    for n in graph.nodes:
-        if (n.primitive != "reduce_sum" or not used[n.index] or not n.inputs
-                or n.index not in pos or graph.values[n.inputs[0]].dtype != "bfloat16"):
+    for n in sums:
+        if n.index not in pos:
             continue
         x = n.inputs[0]
         shape = graph.values[x].shape
