@@ -5,11 +5,12 @@ of a recomputed residual reads a clone, made just before its first backward use 
 re-running the forward operations that produced it. The clone's inputs pass through
 ``optimization_barrier`` together with the backward pass's buffers live at that point, so
 XLA can neither run the recomputation early nor merge it with the forward original (on CPU
-that needs the ``cse_barrier_expander`` pass off; see :mod:`jaxmem.lower`). Those leave the
-barrier renamed, materialised: XLA cannot fuse the residual stream's running gradient sum
-into one late consumer that keeps every layer's recomputed values and saved cuts to the end
-(plain-JAX GPT 4x256, segment plan: 113.8 MiB without, 98.6 with). The memory model runs on
-the result unchanged.
+that needs the ``cse_barrier_expander`` pass off; see :mod:`jaxmem.lower`). The live
+backward buffers leave the barrier renamed, so they are materialised there: XLA cannot fuse
+the residual stream's running gradient sum (``dx + ...`` of every layer) into one late
+consumer, which would keep every layer's recomputed values and saved cuts alive to the end
+of the backward pass (plain-JAX GPT 4x256, segment plan: 113.8 MiB without, 98.6 with). The
+memory model runs on the result unchanged.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -145,7 +146,10 @@ def apply_remat(graph: Graph, recompute: Iterable[Residual], offload: Iterable[R
 
 class _Rewrite:
     """The graph :func:`apply_remat` builds while it walks the original in program order.
-    Original values keep their ids; clones, barrier outputs and copies are appended."""
+
+    Original values keep their ids; every clone, barrier output and transferred
+    copy is a new value appended after them.
+    """
 
     def __init__(self, graph: Graph, off: dict[int, Residual]) -> None:
         self.graph = graph
@@ -164,6 +168,8 @@ class _Rewrite:
         # (until the backward pass makes others) ones made of dims and constants, like the
         # loss's cotangent: pinned to one, a rebuild raced the forward tail.
         self.owner, self.constant, self.began = memo.owner(graph), graph.constant, False
+        # results of ops with bodies (loops, conds, calls), which the optimizer reads
+        # from a barrier pinning them (copy_node)
         self.looped = {o for n in graph.nodes if n.subgraphs for o in n.outputs}
 
     def track_live(self, node: Node, backward: bool) -> None:
