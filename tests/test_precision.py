@@ -327,6 +327,8 @@ def _residual_step(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def test_a_narrow_read_float32_result_hands_later_readers_its_copy() -> None:
+    # The rule as read in a bf16 linen decoder's HLO under a segment plan (docs/notes.md,
+    # "Session 40"): plain jax.jit drops this barrier, so the step here checks the ranges.
     specs = (S((256, 64), BF), S((64, 64), F32))
     g = build_graph(jax.make_jaxpr(_residual_step)(*specs))
     owner = materialised(g)
