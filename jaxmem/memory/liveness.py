@@ -96,7 +96,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     used = used_nodes(graph) if used is None else used
     library = library_fusions(graph, used, backend) if library is None else library
     owner = library_owner(graph, used, library) if owner is None else owner
-    widened, bits, sizes = _sizes(graph, owner, used, backend, library)
+    widened, bits, sizes, narrow = _sizes(graph, order, owner, used, backend, library)
     size = lambda v: sizes.get(v, graph.values[v].nbytes)  # noqa: E731
     duplicated = duplicated_bias_adds(graph, owner, used) if backend == "cpu" else {}
     srcs, copied = _buffer_sources(graph, owner, duplicated), set[tuple[int, int]]()
@@ -107,7 +107,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     first_def, last_use = _definitions_and_uses(graph, order, owner, srcs, used, copied,
                                                 backend, duplicated)
     loops, ends = widened_loop_operands(graph, order, backend)
-    _read_by_copies(graph, order, (*copies, *convs), ends, widened, base, srcs, owner, last_use)
+    _read_by_copies(graph, (*copies, *convs), ends, narrow, base, srcs, owner, last_use)
     outputs = _output_buffers(graph, order, owner, first_def)
     reuse_end, in_output, taken = _shared_buffers(graph, order, owner, srcs, last_use,
                                                   outputs, widened, sizes, state_outputs)
@@ -116,7 +116,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
                              last_use, reuse_end, in_output, size)
     for x in (*copies, *convs, *loops,
               *epilogue_broadcasts(graph, order, owner, first_def, upcast),
-              *operand_copies(graph, order, owner, backend, widened),
+              *operand_copies(graph, order, owner, backend, widened, narrow),
               *window_broadcasts(graph, order, used, backend),
               *max_pool_gradient_buffers(graph, order, used, backend),
               *batched_index_tuples(graph, order, backend),
@@ -128,26 +128,30 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     return tuple(buffers)
 
 
-def _sizes(graph: Graph, owner: dict[int, int], used: Sequence[bool], backend: str,
-           library: Library) -> tuple[dict[int, sympy.Expr], ...]:
-    """``(widened, bits, sizes)``: buffer bytes that differ from the jaxpr's (float32
-    buffers of low-precision values; a random-bits loop's; all of them, with the values
-    library fusions compute from their thresholds on)."""
+def _sizes(graph: Graph, order: Sequence[int], owner: dict[int, int], used: Sequence[bool],
+           backend: str, library: Library) -> tuple[dict, ...]:
+    """``(widened, bits, sizes, narrow)``: buffer bytes that differ from the jaxpr's
+    (float32 buffers of low-precision values; a random-bits loop's; all of them, with the
+    values library fusions compute from their thresholds on), and the ranges of the
+    float32 buffers read narrow too (:func:`~.precision.narrow_copy_ranges`, once for
+    :func:`_read_by_copies` and the copies' buffers)."""
     widened, bits = buffer_sizes(graph, owner, backend), random_bits_sizes(graph, backend)
+    narrow = (narrow_copy_ranges(graph, owner, {n: p for p, n in enumerate(order)}, widened)
+              if widened else {})  # (a float32 program: no positions to build)
     return widened, bits, {
         **widened, **row_fused_sizes(graph, owner, widened, backend, library.rows),
-        **reduction_sizes(graph, library.reductions, widened), **bits}
+        **reduction_sizes(graph, library.reductions, widened), **bits}, narrow
 
 
-def _read_by_copies(graph: Graph, order: Sequence[int], copies: Sequence[Extra],
-                    ends: dict[int, tuple[int, int]], widened: dict[int, sympy.Expr],
+def _read_by_copies(graph: Graph, copies: Sequence[Extra], ends: dict[int, tuple[int, int]],
+                    narrow: dict[int, tuple[int, int, int]],
                     base: dict[int, int], srcs: Callable[[int], frozenset[int]],
                     owner: dict[int, int], last_use: dict[int, int]) -> None:
     """Moves ``last_use`` to where copies read their operands: a dot's or a convolution's
     operand is read when its copy is made, a loop operand XLA widens to float32 when
     it is converted (``ends``: :func:`~jaxmem.memory.loop_operands.widened_loop_operands`),
-    and a float32 result (in ``widened``) some reader needs narrow by its float32
-    readers only, the others reading its copy (:func:`~.precision.narrow_copy_ranges`)."""
+    and a float32 result some reader needs narrow by its float32 readers only, the others
+    reading its copy (``narrow``: :func:`~.precision.narrow_copy_ranges`)."""
     for x in copies:
         for v in _copy_reads(graph, x, base, srcs, owner):
             last_use[v] = max(last_use.get(v, x.start), x.start)
@@ -155,10 +159,7 @@ def _read_by_copies(graph: Graph, order: Sequence[int], copies: Sequence[Extra],
         for s in srcs(v):
             if last_use.get(s) == loop:
                 last_use[s] = end
-    if not widened:
-        return  # a float32 program: no positions to build
-    pos = {n: p for p, n in enumerate(order)}
-    for v, (_, wide_end, _) in narrow_copy_ranges(graph, owner, pos, widened).items():
+    for v, (_, wide_end, _) in narrow.items():
         for s in srcs(v):
             last_use[s] = min(last_use.get(s, wide_end), wide_end)
 

@@ -307,31 +307,26 @@ def narrow_copy_ranges(graph: Graph, owner: Mapping[int, int], pos: Mapping[int,
     return out
 
 
-def _narrow_copies(graph: Graph, owner: Mapping[int, int], pos: Mapping[int, int],
-                   widened: Mapping[int, sympy.Expr]) -> list[Extra]:
-    """The low-precision copy of each :func:`narrow_copy_ranges` result, from its producer
-    to its last reader (the end, for an output)."""
-    return [Extra(v, graph.values[v].nbytes, start, end, "low-precision copy")
-            for v, (start, _, end) in narrow_copy_ranges(graph, owner, pos, widened).items()]
-
-
 def operand_copies(graph: Graph, order: Sequence[int], owner: Mapping[int, int],
-                   backend: str, widened: Mapping[int, sympy.Expr] | None = None
-                   ) -> list[Extra]:
+                   backend: str, widened: Mapping[int, sympy.Expr] | None = None,
+                   narrow: Mapping[int, tuple[int, int, int]] | None = None) -> list[Extra]:
     """Float32 copies of low-precision dot operands whose own buffer stays (an argument,
     a buffer other ops read, a dot's result), one per buffer, from the first upcast dot
     reading it to the last; and the float32 result, at its dot only, of each upcast dot
     whose result is held narrow (not in ``widened``); the low-precision copy of each
     :func:`arithmetic_in_float32` result a barrier, loop or output reads; and the float32
     result of each :func:`softmax_exps` ``exp`` until its convert. ``widened``:
-    ``buffer_sizes(graph, owner, backend)``, when the caller has it."""
+    ``buffer_sizes(graph, owner, backend)``, and ``narrow``: :func:`narrow_copy_ranges`
+    over ``order``, when the caller has them."""
     widened = buffer_sizes(graph, owner, backend) if widened is None else widened
     dots = upcast_dots(graph, backend)
     exps = softmax_exps(graph) if backend == "cpu" else set()
     if not dots and not widened and not exps:
         return []  # a float32 program: no pass over the order
     pos = {n: p for p, n in enumerate(order)}
-    out = _narrow_copies(graph, owner, pos, widened) + _float32_exps(graph, owner, pos, exps)
+    narrow = narrow_copy_ranges(graph, owner, pos, widened) if narrow is None else narrow
+    out = [Extra(v, graph.values[v].nbytes, start, end, "low-precision copy")
+           for v, (start, _, end) in narrow.items()] + _float32_exps(graph, owner, pos, exps)
     chosen = set(dots)
     for o, readers in _low_operands(graph, owner, dots).items():
         # A transposed copy is the convert of the dots reading through it (f32 copies).

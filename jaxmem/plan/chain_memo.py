@@ -48,6 +48,7 @@ class ChainMemo:
         self._owner: dict[int, int] | None = None
         self._last_read: dict[int, int] | None = None
         self._backward: list[bool] | None = None
+        self._bodied: frozenset[int] | None = None
 
     def backward(self, graph: Graph) -> list[bool]:
         """``node.is_backward`` per node, computed once per graph (each rewrite of a
@@ -55,6 +56,13 @@ class ChainMemo:
         if self._backward is None:
             self._backward = [n.is_backward for n in graph.nodes]
         return self._backward
+
+    def bodied(self, graph: Graph) -> frozenset[int]:
+        """Results of the ops with bodies (loops, conds, calls), computed once per graph.
+        Read only."""
+        if self._bodied is None:
+            self._bodied = frozenset(o for n in graph.nodes if n.subgraphs for o in n.outputs)
+        return self._bodied
 
     def owner(self, graph: Graph) -> dict[int, int]:
         """``materialised(graph)``, computed once: every candidate plan rewrites the same

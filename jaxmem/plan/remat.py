@@ -168,9 +168,7 @@ class _Rewrite:
         # (until the backward pass makes others) ones made of dims and constants, like the
         # loss's cotangent: pinned to one, a rebuild raced the forward tail.
         self.owner, self.constant, self.began = memo.owner(graph), graph.constant, False
-        # results of ops with bodies (loops, conds, calls), which the optimizer reads
-        # from a barrier pinning them (copy_node)
-        self.looped = {o for n in graph.nodes if n.subgraphs for o in n.outputs}
+        self.bodied = memo.bodied(graph)  # the optimizer reads these from a barrier
 
     def track_live(self, node: Node, backward: bool) -> None:
         """Updates :attr:`live` and :attr:`last_out` after ``node`` ran (``backward``: its pass)."""
@@ -236,8 +234,9 @@ class _Rewrite:
         more temporaries, a scanned bf16 GPT's segment level at (1, 32))."""
         rename = self.rename if backward else self.sent
         if not backward and self.began:
-            rename = {**self.sent, **{v: self.rename[v] for v in node.inputs
-                                      if v in self.rename and v in self.looped}}
+            late = {v: self.rename[v] for v in node.inputs
+                    if v in self.bodied and v in self.rename}
+            rename = {**self.sent, **late} if late else rename
         if not backward and not (rename and any(v in rename for v in node.inputs)):
             # emit's result (the node, or it at its new position) without building tuples
             index = len(self.nodes)
