@@ -11,7 +11,7 @@ import pytest
 import jaxmem
 from jaxmem.graph import build_graph
 from jaxmem.memory.liveness import liveness
-from jaxmem.memory.slices import sliced_xs, slices_as_temps
+from jaxmem.memory.slices import held_fills, sliced_xs, slices_as_temps
 
 LAYERS, D = 4, 64
 
@@ -75,3 +75,66 @@ def test_a_slice_a_dot_reads_is_a_temporary_until_that_dot() -> None:
     for b in (b for b in buffers if b.value in slices):
         readers = [c for c in body.consumers[b.value] if body.nodes[c].primitive == "dot_general"]
         assert (b.kind, b.start, b.end) == ("temp", 0, max(readers)), b
+
+
+def test_a_slice_a_barrier_holds_is_a_temporary_until_its_copy_is_last_read() -> None:
+    def f(c: jax.Array, xs: jax.Array) -> jax.Array:
+        def body(h: jax.Array, x: jax.Array) -> tuple[jax.Array, None]:
+            held = jax.lax.optimization_barrier(x)
+            return jnp.sin(h) + jnp.cos(held), None
+        return jax.lax.scan(body, c, xs)[0]
+
+    g = build_graph(jax.make_jaxpr(f)(jnp.ones((4, D)), jnp.ones((3, 4, D))))
+    scan = next(n for n in g.nodes if n.primitive == "scan")
+    body = scan.subgraphs[0]
+    slices = sliced_xs(body, scan.eqn.params)
+    assert slices == {body.inputs[-1]}, "a barrier holds its operands in memory"
+    order = list(range(len(body.nodes)))
+    (b,) = (b for b in slices_as_temps(body, order, liveness(body, order, "cpu"), slices)
+            if b.value in slices)
+    cos = next(i for i, n in enumerate(body.nodes) if n.primitive == "cos")
+    assert (b.kind, b.start, b.end) == ("temp", 0, cos), b
+
+
+def test_a_filler_a_barrier_holds_is_made_in_the_loop_body() -> None:
+    """The causal filler a level's barrier holds in a scanned bf16 GPT's backward body:
+    XLA writes it to a buffer in the body (checked in its HLO), and so does the model."""
+    from bench.accuracy import polymorphic_shapes
+    from bench.programs import gpt_scan_program
+
+    program = gpt_scan_program(layers=2, d=64, dtype=jnp.bfloat16)
+    args = program.concrete_args({"b": 2, "s": 64})
+    f = jaxmem.jit(program.step, polymorphic_shapes=polymorphic_shapes(program),
+                   constraints=program.constraints)
+    levels = f.plans(*args).levels
+    mask = (2, 4, 64, 64)  # (b, heads, s, s)
+    k, scan, (fill,) = next(
+        (k, n, held) for k, lv in enumerate(levels) for n in lv.graph.nodes
+        if n.primitive == "scan" and (held := [v for v in held_fills(lv.graph, n)
+                                               if len(n.subgraphs[0].values[v].shape) == 4]))
+    body = scan.subgraphs[0]
+    order = list(range(len(body.nodes)))
+    (b,) = (b for b in slices_as_temps(body, order, liveness(body, order, "cpu"), {fill})
+            if b.value == fill)
+    barrier = next(c for c in body.consumers[fill]
+                   if body.nodes[c].primitive == "optimization_barrier")
+    assert b.kind == "temp" and b.start == 0 and b.end > barrier, b
+    compiled = f.compile_level(k, *args).compiled
+    assert f"f32[{','.join(map(str, mask))}]" in _held_broadcasts(compiled.as_text())
+
+
+def _held_broadcasts(hlo: str) -> list[str]:
+    """The shapes of the broadcasts an ``opt-barrier`` in a loop body holds, from HLO text."""
+    from hlo_passes.hlo_text import parse_hlo_module
+
+    out = []
+    for name, comp in parse_hlo_module(hlo).computations.items():
+        by_name = comp.by_name()
+        for ins in comp.instructions:
+            if ins.opcode != "opt-barrier" or name.startswith("main"):
+                continue
+            for o in ins.operands:
+                held = by_name[o].operands if by_name[o].opcode == "tuple" else (o,)
+                out += [str(by_name[h].shape).split("{")[0] for h in held
+                        if "broadcast" in h and h in by_name]
+    return out

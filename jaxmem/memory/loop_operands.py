@@ -84,6 +84,24 @@ def widened_loop_operands(graph: Graph, order: Sequence[int], backend: str
 def _converted_operands(graph: Graph, node: Node) -> Iterator[tuple[int, int]]:
     """The bfloat16 operands of loop ``node`` its (last) body reads through a float32
     convert, each with the body input it is read as."""
+    body = node.subgraphs[-1] if node.subgraphs else None
+    native = None
+    for kind, v, inner in body_operands(node):
+        if (v is None or kind == "carry" or graph.values[v].dtype != "bfloat16"
+                or is_sunk(graph, v)):  # the body makes it: no operand outside to convert
+            continue
+        if native is None:
+            native = frozenset(n.index for n in body.nodes if n.primitive == "dot_general"
+                               ) - frozenset(upcast_dots(body, "cpu"))
+        readers = _readers(body, inner)
+        if any(r not in native for r in readers) or (kind == "xs" and readers):
+            yield v, inner
+
+
+def body_operands(node: Node) -> Iterator[tuple[str, int | None, int]]:
+    """``(kind, operand, body input)`` for each input of loop ``node``'s (last) body: its
+    kind (``const``, ``carry``, or ``xs`` for a scan's stacked operands) and the loop's
+    operand it reads (None past the operands); nothing for other ops."""
     params = node.eqn.params if node.eqn is not None else {}
     if node.primitive == "scan" and params and node.subgraphs:
         consts, carry = scan_counts(params)
@@ -94,19 +112,10 @@ def _converted_operands(graph: Graph, node: Node) -> Iterator[tuple[int, int]]:
         kinds = ["const"] * params["body_nconsts"]
     else:
         return
-    native = None
     for k, inner in enumerate(body.inputs):
         v = node.operands[offset + k] if offset + k < len(node.operands) else None
         kind = kinds[k] if k < len(kinds) else ("xs" if node.primitive == "scan" else "carry")
-        if (v is None or kind == "carry" or graph.values[v].dtype != "bfloat16"
-                or is_sunk(graph, v)):  # the body makes it: no operand outside to convert
-            continue
-        if native is None:
-            native = frozenset(n.index for n in body.nodes if n.primitive == "dot_general"
-                               ) - frozenset(upcast_dots(body, "cpu"))
-        readers = _readers(body, inner)
-        if any(r not in native for r in readers) or (kind == "xs" and readers):
-            yield v, inner
+        yield kind, v, inner
 
 
 def _readers(body: Graph, v: int) -> list[int]:

@@ -54,7 +54,7 @@ from jaxmem.memory.liveness import Buffer, liveness
 from jaxmem.memory.loop_operands import as_run, widened_inputs
 from jaxmem.memory.points import live_table
 from jaxmem.memory.schedule import xla_order
-from jaxmem.memory.slices import sliced_xs, slices_as_temps
+from jaxmem.memory.slices import held_inputs, slices_as_temps
 from jaxmem.symbolic import ShapeDomain, sym
 
 POINTER_BYTES = 8  # one entry of a tuple's table of buffer pointers (64-bit hosts)
@@ -202,7 +202,7 @@ def _inner(graph: Graph, dom: ShapeDomain, symbolic: bool, backend: str | None,
            ) -> MemoryModel:
     """A body's memory. Its outputs are the loop's state, allocated outside and live
     throughout, so no temporary of the body can sit in them; ``slices``: its inputs
-    XLA copies out of their stacks (:func:`~jaxmem.memory.slices.sliced_xs`); ``wide``:
+    it holds copies of (:func:`~jaxmem.memory.slices.held_inputs`); ``wide``:
     its inputs read as float32 copies (:func:`~jaxmem.memory.loop_operands.as_run`).
 
     One model per body graph object: the candidate plans of a scanned step share
@@ -262,7 +262,8 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
         backend: the JAX platform whose XLA rules apply (default:
             ``jax.default_backend()``; see :func:`jaxmem.memory.liveness.liveness`).
         body_slices: None, or ``graph`` is a loop body (its outputs are its state) and
-            these inputs are slices XLA copies out of their stacks (:mod:`.slices`).
+            these inputs are copies it holds (:mod:`.slices`: slices XLA copies out of
+            their stacks, constant fillers).
 
     Returns:
         A :class:`MemoryModel`.
@@ -328,19 +329,19 @@ def _bodies(graph: Graph, order: Sequence[int], dom: ShapeDomain,
     """What each control-flow op's bodies need, at the order position of the op.
 
     An op with several bodies (``cond`` branches) needs the largest (a ``Max``). A
-    ``scan`` body also holds the slices of its ``xs`` that XLA copies out
-    (:mod:`jaxmem.memory.slices`).
+    loop's body also holds the copies of its operands XLA makes there
+    (:mod:`jaxmem.memory.slices`: a scan's slices of its ``xs``, constant fillers).
     """
     out: dict[int, _Body] = {}
     for p, ni in enumerate(order):
         node = graph.nodes[ni]
         if not node.subgraphs:
             continue
-        sliced = (sliced_xs(node.subgraphs[0], node.eqn.params)
-                  if node.primitive == "scan" and node.eqn is not None else frozenset())
+        held = held_inputs(graph, node)
         wide = widened_inputs(graph, node, backend or jax.default_backend())
-        models = [_inner(g, dom, symbolic, backend, sliced, wide if g is node.subgraphs[-1]
-                         else frozenset()) for g in node.subgraphs]
+        last = node.subgraphs[-1]  # a scan's body, a while's body (not its cond)
+        models = [_inner(g, dom, symbolic, backend, held, wide) if g is last
+                  else _inner(g, dom, symbolic, backend) for g in node.subgraphs]
         # ``max_expr``, not ``sympy.Max``: sympy re-simplified a body's own ``Max`` by
         # pairwise comparisons, a third of a scanned step's plan derivation.
         temp = max_expr([m.temp_bytes for m in models])

@@ -1,10 +1,14 @@
-"""The slices of its stacked operands a ``scan`` body reads from memory.
+"""The copies of its operands a loop body holds in memory of its own.
 
 A scan body reads row ``i`` of each ``xs`` operand. XLA's CPU backend fuses that
 dynamic slice into elementwise and reducing readers, and copies it out (a
 dynamic-slice fusion, scheduled at the body's start) for a reader that takes its
-operands from memory, such as a dot. :func:`sliced_xs` names those slices,
-:func:`slices_as_temps` makes each a temporary of the body's memory model.
+operands from memory, such as a dot or an optimization barrier. :func:`sliced_xs`
+names those slices. A constant's broadcast a loop reads is made inside its body
+(:func:`~jaxmem.memory.fillers.is_sunk`), where it fuses into its readers, except
+into a barrier, which holds it in a buffer (:func:`held_fills`).
+:func:`held_inputs` gives both, :func:`slices_as_temps` makes each a temporary of the
+body's memory model.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -22,8 +26,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxmem.graph import Graph, scan_counts
+from jaxmem.graph import Graph, Node, scan_counts
+from jaxmem.memory.fillers import is_sunk
 from jaxmem.memory.liveness import Buffer
+from jaxmem.memory.loop_operands import body_operands
 
 
 def sliced_xs(body: Graph, params: dict) -> frozenset[int]:
@@ -39,8 +45,47 @@ def sliced_xs(body: Graph, params: dict) -> frozenset[int]:
                      if any(not _fuses_slice(body, c) for c in body.consumers.get(v, ())))
 
 
+def held_inputs(graph: Graph, node: Node) -> frozenset[int]:
+    """The inputs of loop ``node``'s (last) body it holds copies of: a scan's
+    :func:`sliced_xs` and any loop's :func:`held_fills`."""
+    sliced = (sliced_xs(node.subgraphs[0], node.eqn.params)
+              if node.primitive == "scan" and node.eqn is not None else frozenset())
+    return sliced | held_fills(graph, node)
+
+
+def held_fills(graph: Graph, node: Node) -> frozenset[int]:
+    """The inputs of loop ``node``'s (last) body that are a constant's broadcast outside
+    (:func:`~jaxmem.memory.fillers.is_sunk`) and that a reader in the body needs in
+    memory: XLA writes the broadcast at the body's start, and the buffer lives until
+    its last reader, through a barrier's copy (measured, jax 0.10.2: a causal mask's
+    ``-1e9`` filler that a level's barrier holds in the scanned bf16 GPT's backward
+    body, ``f32[8, 4, 512, 512]``; its level 3 at (8, 512) -13.4 % before)."""
+    body = node.subgraphs[-1] if node.subgraphs else None
+    return frozenset(inner for _, v, inner in body_operands(node)
+                     if v is not None and is_sunk(graph, v)
+                     and any(not _fuses_slice(body, c) for c in body.consumers.get(inner, ())))
+
+
 def _fuses_slice(body: Graph, reader: int) -> bool:
-    return body.nodes[reader].kind in ("elementwise", "reduce", "view")
+    node = body.nodes[reader]
+    return (node.kind in ("elementwise", "reduce", "view")
+            and node.primitive != "optimization_barrier")
+
+
+def _memory_readers(body: Graph, v: int) -> list[int]:
+    """The readers of ``v`` that need it in memory, and through a barrier that holds it,
+    every reader of the barrier's copy (the same buffer)."""
+    out = []
+    for c in body.consumers.get(v, ()):
+        node = body.nodes[c]
+        if node.primitive == "optimization_barrier":
+            out.append(c)
+            for x, o in zip(node.inputs, node.outputs, strict=True):
+                if x == v:
+                    out.extend(body.consumers.get(o, ()))
+        elif not _fuses_slice(body, c):
+            out.append(c)
+    return out
 
 
 def slices_as_temps(graph: Graph, order: Sequence[int], buffers: Sequence[Buffer],
@@ -53,9 +98,8 @@ def slices_as_temps(graph: Graph, order: Sequence[int], buffers: Sequence[Buffer
     out = []
     for b in buffers:
         if b.kind == "argument" and b.value in slices:
-            ends = [pos[c] for c in graph.consumers.get(b.value, ())
-                    if c in pos and not _fuses_slice(graph, c)]
+            ends = [pos[c] for c in _memory_readers(graph, b.value) if c in pos]
             b = dataclasses.replace(b, start=0, end=max(ends, default=0), kind="temp",
-                                    note="slice of a stacked operand")
+                                    note="the body's copy of a loop operand")
         out.append(b)
     return out
