@@ -9,6 +9,7 @@ import pytest
 
 import jaxmem
 from bench.residual_mlps import residual_mlp
+from hlo_passes.hlo_text import parse_hlo_module
 from hlo_passes.timeline import buffer_timeline
 from jaxmem.graph import build_graph
 from jaxmem.memory import memory_model
@@ -200,3 +201,52 @@ def test_a_barriers_bitcast_delays_the_input_gradient_behind_the_weight_gradient
     for k in range(len(levels)):
         plan = f.compile_level(k, params, x)
         assert abs(plan.predicted_peak_bytes / plan.peak_bytes - 1) <= 0.05, (k, plan)
+
+
+def _norm_beside_a_chain(x: jax.Array, w: jax.Array) -> tuple[jax.Array, ...]:
+    """A row-normalised ``sin(x @ w)`` whose centred value is a result too, beside a
+    chain of two dots of the same depth."""
+    h = jnp.sin(x @ w)
+    c = h - h.mean(-1, keepdims=True)
+    return c * jax.lax.rsqrt((c * c).mean(-1, keepdims=True)), c.sum(0), jnp.tanh(x @ w) @ w
+
+
+@cpu_only
+def test_a_mean_runs_with_the_centred_value_its_fusion_writes() -> None:
+    # XLA computes the mean and ``h - mean`` in one fusion, on one turn of its queue: the
+    # centred value is written before the second dot of the other chain, not after it.
+    args = (jnp.ones((4096, 64)), jnp.ones((64, 64)))
+    module = parse_hlo_module(jax.jit(_norm_beside_a_chain).lower(*args).compile().as_text())
+    centring = {name for name, comp in module.computations.items()
+                if comp.root.opcode == "subtract"
+                and any(i.opcode == "reduce" for i in comp.instructions)}
+    entry = [i for i in module.entry.instructions if i.opcode == "fusion"]
+    first = lambda pred: next(p for p, i in enumerate(entry) if pred(i))  # noqa: E731
+    tanh = next(i.name for i in entry if "tanh" in i.name)
+    assert first(lambda i: set(i.called) & centring) < first(lambda i: tanh in i.operands)
+    g = build_graph(jax.make_jaxpr(_norm_beside_a_chain)(*args))
+    pos = {n: p for p, n in enumerate(xla_order(g, "cpu"))}
+    sub = next(n.index for n in g.nodes if n.primitive == "sub")
+    second_dot = [n.index for n in g.nodes if n.primitive == "dot_general"][-1]
+    assert pos[sub] < pos[second_dot]
+
+
+def _bf16_dense(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.tanh(x @ w.astype(jnp.bfloat16) + b.astype(jnp.bfloat16))
+
+
+@cpu_only
+def test_a_bias_convert_takes_a_turn_of_its_own() -> None:
+    # XLA writes the bias's bf16 copy (a ``wrapped_convert``) before the dot, instead of
+    # fusing the convert into the add that broadcasts it.
+    args = (jnp.ones((4096, 64), jnp.bfloat16), jnp.ones((64, 64)), jnp.ones(64))
+    module = parse_hlo_module(jax.jit(_bf16_dense).lower(*args).compile().as_text())
+    entry = [i for i in module.entry.instructions if i.opcode == "fusion"]
+    bias = next(p for p, i in enumerate(entry) if str(i.shape).startswith("bf16[64]"))
+    dot = next(p for p, i in enumerate(entry) if "dot_general" in i.op_name)
+    assert bias < dot
+    g = build_graph(jax.make_jaxpr(_bf16_dense)(*args))
+    pos = {n: p for p, n in enumerate(xla_order(g, "cpu"))}
+    convert = next(n.index for n in g.nodes if n.primitive == "convert_element_type"
+                   and g.values[n.outputs[0]].shape == (64,))
+    assert pos[convert] < pos[next(n.index for n in g.nodes if n.primitive == "dot_general")]

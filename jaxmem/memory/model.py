@@ -273,7 +273,7 @@ def memory_model(graph: Graph, dom: ShapeDomain, order: Sequence[int] | None = N
     library = library_fusions(graph, used, backend)
     owner = library_owner(graph, used, library)
     pairs = dot_copies(graph, owner, used)
-    order = xla_order(graph, backend, owner, used, pairs) if order is None else list(order)
+    order = xla_order(graph, backend, owner, used, pairs, library) if order is None else list(order)
     buffers = liveness(graph, order, backend, owner, used, pairs, library,
                        state_outputs=body_slices is not None)
     if body_slices:

@@ -12,7 +12,9 @@ low-precision copies of the weights) run first; a copy XLA makes of a dot's or a
 convolution's operand (a transposed copy, a float32 convert) is an instruction of its
 own, so a weight gradient's dot runs after the input gradient's dot reading the same
 cotangent in place. :func:`xla_order` replays that queue on the graph's materialised ops; fused
-values run with their first consumer. Other backends schedule by memory (GPU: a
+values run with their first consumer, and so does a mean with the centred value its row
+fusion writes (one instruction), while a vector's convert that a broadcast reads takes a
+turn of its own. Other backends schedule by memory (GPU: a
 list scheduler minimising it), for which program order stays the model.
 
 Example:
@@ -33,13 +35,14 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-from jaxmem.graph import Graph
-from jaxmem.memory.columns import library_fusions, library_owner
+from jaxmem.graph import Graph, Node
+from jaxmem.memory.columns import Library, library_fusions, library_owner
 from jaxmem.memory.copies import dot_copies, merged_operands
 from jaxmem.memory.fusion import used_nodes
 from jaxmem.memory.precision import converted_reads
 from jaxmem.memory.scatters import added_scatter
 from jaxmem.memory.windows import conv_copy_pairs
+from jaxmem.memory.ynn import centring_chains
 
 #: backends whose XLA schedules breadth-first when the order is left to it
 BFS_BACKENDS = ("cpu",)
@@ -47,16 +50,17 @@ BFS_BACKENDS = ("cpu",)
 
 def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
               used: list[bool] | None = None,
-              pairs: Sequence[tuple[int, int]] | None = None) -> list[int]:
+              pairs: Sequence[tuple[int, int]] | None = None,
+              library: Library | None = None) -> list[int]:
     """The node order XLA's scheduler on ``backend`` runs ``graph`` in.
 
     Args:
         graph: the graph.
         backend: a JAX platform name.
-        owner: ``library_owner(graph, used, library_fusions(graph, used, backend))``,
-            when the caller has it.
+        owner: ``library_owner(graph, used, library)``, when the caller has it.
         used: ``used_nodes(graph)``, when the caller has it.
         pairs: ``dot_copies(graph, owner, used)``, when the caller has them.
+        library: ``library_fusions(graph, used, backend)``, when the caller has it.
 
     Returns:
         A permutation of the node indices (program order where the backend's
@@ -66,9 +70,9 @@ def xla_order(graph: Graph, backend: str, owner: dict[int, int] | None = None,
     if backend not in BFS_BACKENDS or n == 0:
         return list(range(n))
     used = used_nodes(graph) if used is None else used
-    if owner is None:
-        owner = library_owner(graph, used, library_fusions(graph, used, backend))
-    fused = _joins_consumer(graph, owner, used)
+    library = library_fusions(graph, used, backend) if library is None else library
+    owner = library_owner(graph, used, library) if owner is None else owner
+    fused = _joins_consumer(graph, owner, used, centring_chains(graph, owner, library.rows))
     preds, fused_in, through = _instruction_operands(graph, fused)
     pairs = [*(dot_copies(graph, owner, used) if pairs is None else pairs),
              *converted_reads(graph, owner, backend), *conv_copy_pairs(graph),
@@ -185,11 +189,15 @@ def _swapped_dot_reads(graph: Graph) -> list[tuple[int, int]]:
     return out
 
 
-def _joins_consumer(graph: Graph, owner: dict[int, int], used: list[bool]) -> list[bool]:
+def _joins_consumer(graph: Graph, owner: dict[int, int], used: list[bool],
+                    centring: set[int]) -> list[bool]:
     """Per node, whether it runs with its first consumer rather than as an instruction of
     its own: a fused value, one computed from constants alone (a broadcast zero, an
     iota), which XLA folds into its consumer (a scatter into zeros becomes a ``pad``),
-    or a scatter into zeros only added to (:func:`~jaxmem.memory.scatters.added_scatter`)."""
+    a scatter into zeros only added to (:func:`~jaxmem.memory.scatters.added_scatter`),
+    or a mean on its way to the centred value its row fusion writes (``centring``:
+    :func:`~jaxmem.memory.ynn.centring_chains`). A vector's convert that broadcasts
+    read is an instruction of its own (:func:`_broadcast_convert`)."""
     constant = graph.constant
     out = []
     for i, node in enumerate(graph.nodes):
@@ -197,8 +205,10 @@ def _joins_consumer(graph: Graph, owner: dict[int, int], used: list[bool]) -> li
             out.append(False)
         elif node.kind != "control" and not node.subgraphs and constant.issuperset(node.inputs):
             out.append(True)  # folded
-        elif added_scatter(graph, node):
+        elif added_scatter(graph, node) or i in centring:
             out.append(True)
+        elif _broadcast_convert(graph, node):
+            out.append(False)
         else:
             outs = node.outputs
             if len(outs) == 1:  # most nodes: no generator for one output
@@ -206,6 +216,19 @@ def _joins_consumer(graph: Graph, owner: dict[int, int], used: list[bool]) -> li
             else:
                 out.append(bool(outs) and all(owner.get(o, o) == -1 for o in outs))
     return out
+
+
+def _broadcast_convert(graph: Graph, node: Node) -> bool:
+    """Whether ``node`` converts a vector (a bias, a norm's scale) that only broadcasts
+    read: XLA does not fuse it into the reader that broadcasts it, but writes it on a turn
+    of its own (measured, jax 0.10.2: a bf16 step's ``wrapped_convert`` of each bias and
+    scale, one turn before the ops reading them; a scanned bf16 GPT's backward body
+    rebuilt its MLP and attention a turn early without this)."""
+    if node.primitive != "convert_element_type" or len(node.inputs) != 1:
+        return False
+    readers = graph.consumers.get(node.outputs[0], ())
+    return (len(graph.values[node.inputs[0]].shape) <= 1 and bool(readers)
+            and all(graph.nodes[u].primitive == "broadcast_in_dim" for u in readers))
 
 
 def _instruction_operands(graph: Graph, fused: list[bool]
