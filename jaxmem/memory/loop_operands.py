@@ -84,8 +84,9 @@ def widened_loop_operands(graph: Graph, order: Sequence[int], backend: str
 def _converted_operands(graph: Graph, node: Node) -> Iterator[tuple[int, int]]:
     """The bfloat16 operands of loop ``node`` its (last) body reads through a float32
     convert, each with the body input it is read as."""
-    body = node.subgraphs[-1] if node.subgraphs else None
-    native = None
+    if not node.subgraphs:
+        return
+    body, native = node.subgraphs[-1], None
     for kind, v, inner in body_operands(node):
         if (v is None or kind == "carry" or graph.values[v].dtype != "bfloat16"
                 or is_sunk(graph, v)):  # the body makes it: no operand outside to convert
