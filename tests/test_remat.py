@@ -210,3 +210,28 @@ def test_every_rebuild_stays_pinned_after_xla_drops_unread_barrier_operands():
     f.use_plan(deepest, *args)
     for a, b in zip(f(*args), jax.jit(_attention_dropout_grads)(*args), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def relu_loss(params: list[dict[str, jax.Array]], x: jax.Array) -> jax.Array:
+    for p in params:
+        x = x + jax.nn.relu(x @ p["a"]) @ p["b"]
+    return jnp.mean(x ** 2)
+
+
+def test_rebuilds_sharing_a_matmul_run_it_once():
+    # ReLU's backward reads h = x @ a (its mask) and relu(h) (for b's gradient) at two
+    # first uses: two rebuild blocks. The second reads the first's h; run twice, XLA
+    # could not merge the runs (each reads its own barrier).
+    params, x = make_args()
+    graph = build_graph(jax.make_jaxpr(jax.grad(relu_loss))(params, x))
+    rewritten = apply_remat(graph, find_residuals(graph))
+    forward_dots = [n for n in graph.nodes if n.primitive == "dot_general" and not n.is_backward]
+    rerun_dots = [n for n in rewritten.nodes
+                  if n.primitive == "dot_general" and n.scope.endswith("/remat")]
+    assert len(forward_dots) == 2 * LAYERS
+    assert 0 < len(rerun_dots) <= len(forward_dots)
+    flat = jax.tree_util.tree_leaves((params, x))
+    want = jax.jit(as_function(graph))(*flat)
+    got = jax.jit(as_function(rewritten))(*flat)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
