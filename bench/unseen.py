@@ -35,7 +35,8 @@ Usage::
 The kinds of :mod:`bench.unseen_kinds` (BatchNorm, a scan inside an accumulation scan,
 ``lax.switch`` per layer, ...) and the styles of :mod:`bench.unseen_styles` (tied
 embeddings, DP-SGD, packed sequences, bfloat16 parameters, an LSTM, NNX BatchNorm, ...)
-run when named: ``--programs batchnorm,nested-scan,switch`` or ``--programs tied,dpsgd``.
+run when named: ``--programs batchnorm,nested-scan,switch`` or ``--programs tied,dpsgd``;
+so do the sweep of :mod:`bench.unseen_sweep` and :mod:`bench.unseen_fresh`'s ``muon``.
 
 ``--quick``: 1 layer at (2, 16), for the test. Prints a table and writes
 ``{"rows": [...], "shape", "layers"}`` to ``--out``.
@@ -57,6 +58,7 @@ import optax
 
 import jaxmem
 from bench.outputs import TextTable, add_output_arguments
+from bench.unseen_fresh import FRESH
 from bench.unseen_kinds import KINDS
 from bench.unseen_programs import CASES, Case
 from bench.unseen_styles import STYLES
@@ -257,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"{layers} layers at b={b}, s={s} (decoders; bench.unseen_programs for the others); "
         f"budget {BUDGET_FRACTION}x plain jax.jit's peak")
     rows = []
-    others = {**CASES, **KINDS, **STYLES, **SWEEP}  # these three run when named (31, 36, 37)
+    others = {**CASES, **KINDS, **STYLES, **SWEEP, **FRESH}  # run when named (31, 36, 37, 42)
     for name in args.programs.split(","):
         if name not in PROGRAMS and name not in others:
             raise SystemExit(f"--programs: unknown program {name!r}; known: "

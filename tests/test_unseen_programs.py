@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jaxmem
+from bench.unseen_fresh import FRESH
 from bench.unseen_kinds import KINDS
 from bench.unseen_programs import CASES
 from bench.unseen_styles import STYLES
@@ -24,7 +25,7 @@ from jaxmem.rewrite import rewrite_level
 
 
 def _check_deepest_level(name: str, quick: bool) -> None:
-    case = {**CASES, **KINDS, **STYLES, **SWEEP}[name](quick)
+    case = {**CASES, **KINDS, **STYLES, **SWEEP, **FRESH}[name](quick)
     args = (case.state, *case.data)
     f = jaxmem.jit(case.step, polymorphic_shapes=case.polymorphic_shapes,
                    constraints=case.constraints)
@@ -52,7 +53,7 @@ def _assert_same(got: object, want: object) -> None:
         np.testing.assert_allclose(x, y, rtol=1e-2 if low else 1e-5, atol=atol)
 
 
-TRAIN = sorted((set(CASES) | set(KINDS) | set(STYLES) | set(SWEEP)) - {"eval"})
+TRAIN = sorted((set(CASES) | set(KINDS) | set(STYLES) | set(SWEEP) | set(FRESH)) - {"eval"})
 
 
 @pytest.mark.parametrize("name", TRAIN)
@@ -81,7 +82,7 @@ def test_every_levels_concrete_rewrite_reruns_what_its_model_reruns(name: str) -
     # Each level's memory model is built on the symbolic trace's rewrite; what runs is
     # the same plan applied to the concrete trace. They disagreed on a BatchNorm MLP (the
     # symbolic trace kept what the concrete one rebuilt): a level predicted +38.8 %.
-    case = {**CASES, **KINDS, **STYLES, **SWEEP}[name](True)
+    case = {**CASES, **KINDS, **STYLES, **SWEEP, **FRESH}[name](True)
     args = (case.state, *case.data)
     f = jaxmem.jit(case.step, polymorphic_shapes=case.polymorphic_shapes,
                    constraints=case.constraints)
