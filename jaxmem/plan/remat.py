@@ -158,7 +158,7 @@ class _Rewrite:
         self.values: list[Value] = list(graph.values)
         self.nodes: list[Node] = []
         self.rename: dict[int, int] = {}  # residual value -> its clone or reloaded copy, once made
-        self.rebuilt: dict[int, int] = {}  # value an earlier block re-ran into a buffer -> clone
+        self.rebuilt: dict[int, int] = {}  # matmul result the latest block re-ran -> its run
         self.host: dict[int, int] = {}  # offloaded value -> its copy in host memory
         self.sent: dict[int, int] = {}  # offloaded value -> what later forward nodes read
         self.last_out: int | None = None  # latest pinnable value made before the node
@@ -250,26 +250,27 @@ class _Rewrite:
     def rebuild_block(self, node: Node, block: list[tuple[Residual, Chain]]) -> None:
         """Brings back, just before ``node``, the residuals whose first use it is."""
         graph = self.graph
-        # What an earlier block re-ran into buffers of their own is read again, not re-run:
-        # blocks sharing a matmul are a few ops apart in one layer's backward pass (1 to 69
-        # of a 4-layer GPT's 2,037 ops), and XLA cannot merge the two runs (each reads its
-        # own barrier). Only those (:data:`_READ_AGAIN`): a value read again holds its
-        # buffer from one barrier to the next, where a cheap one re-runs fused into its
-        # readers (a norm's product read again put a DP-SGD step's smallest level at 5.23
-        # MiB from 4.85; its embedding gather, at 4.98).
+        # A residual the block just before re-ran as a matmul (:data:`_READ_AGAIN`) is read
+        # from that run, not run again: XLA cannot merge two runs behind two barriers (a
+        # ReLU's `h = x @ w`, rebuilt for `relu(h)` and again for its mask a few ops later,
+        # ran twice). Only the block just before, and only the block's own residuals:
+        # reading an older block's run, or a matmul inside a longer chain, holds its
+        # buffer from one rebuild to the next (a tanh MLP's deepest level, whose blocks
+        # re-run prefixes of one chain, came to level 0's peak).
+        previous, self.rebuilt = self.rebuilt, {}
+        wanted = {v for r, _ in block for v in (r.value, *r.aliases) if v in previous}
         chain = [i for i in sorted({i for _, c in block for i in c})
-                 if not all(o in self.rebuilt for o in graph.nodes[i].outputs)]
+                 if not wanted.issuperset(graph.nodes[i].outputs)]
         made = {o for i in chain for o in graph.nodes[i].outputs}
-        wanted = [v for r, _ in block for v in (r.value, *r.aliases)
-                  if v in self.rebuilt and v not in made]  # read again through the barrier
+        reread = [v for v in wanted if v not in made]  # passed through the barrier
         leaves = list(dict.fromkeys([*(v for i in chain for v in graph.nodes[i].inputs
-                                       if v not in made), *wanted]))
+                                       if v not in made), *reread]))
         # Offloaded values this block needs come back now, unless they already did.
         reload = list(dict.fromkeys([r.value for r, _ in block if r.value in self.off]
                                     + [v for v in leaves if v in self.off]))
         reload = [v for v in reload if v not in self.rename]
         leaves = [v for v in leaves if v not in reload]
-        local = self.barrier(node, leaves, reload)
+        local = self.barrier(node, leaves, reload, {v: previous[v] for v in reread})
         for v in reload:
             local[v] = self.rename[v] = self.transfer(local[v], v, False,
                                                       node.scope + "/offload")
@@ -279,8 +280,10 @@ class _Rewrite:
                 if v in local:  # else: an offloaded value an earlier block reloaded
                     self.rename[v] = local[v]
 
-    def barrier(self, node: Node, leaves: list[int], reload: list[int]) -> dict[int, int]:
-        """An ``optimization_barrier`` over a block's sources; original -> barrier output."""
+    def barrier(self, node: Node, leaves: list[int], reload: list[int],
+                again: dict[int, int]) -> dict[int, int]:
+        """An ``optimization_barrier`` over a block's sources (``again``: those read from
+        the block before's runs); original -> barrier output."""
         graph, producers = self.graph, self.producers
         # Backward operands pin the block after the node before its first use (no hoisted
         # rebuild or reload); later reads read the barrier's outputs, as XLA drops unread
@@ -289,7 +292,7 @@ class _Rewrite:
                     and graph.nodes[producers[v]].is_backward and v not in self.constant]
         trigger = next((v for v in backward if self.pinnable(v)),
                        backward[0] if backward else self.last_out)
-        sources = [self.rename.get(v, self.rebuilt.get(v, v)) for v in leaves] + [
+        sources = [self.rename.get(v, again.get(v, v)) for v in leaves] + [
             self.host[v] for v in reload]
         sourced = set(leaves)
         pinned = [v for v in self.live if v not in sourced] or (
