@@ -258,9 +258,11 @@ class _Rewrite:
         # buffer from one rebuild to the next (a tanh MLP's deepest level, whose blocks
         # re-run prefixes of one chain, came to level 0's peak).
         previous, self.rebuilt = self.rebuilt, {}
-        wanted = {v for r, _ in block for v in (r.value, *r.aliases) if v in previous}
+        # In the block's order (a set's would let two traces order the barrier differently).
+        wanted = dict.fromkeys(v for r, _ in block for v in (r.value, *r.aliases)
+                               if v in previous)
         chain = [i for i in sorted({i for _, c in block for i in c})
-                 if not wanted.issuperset(graph.nodes[i].outputs)]
+                 if not all(o in wanted for o in graph.nodes[i].outputs)]
         made = {o for i in chain for o in graph.nodes[i].outputs}
         reread = [v for v in wanted if v not in made]  # passed through the barrier
         leaves = list(dict.fromkeys([*(v for i in chain for v in graph.nodes[i].inputs
@@ -318,8 +320,8 @@ class _Rewrite:
                 self.rebuilt.update(zip(src.outputs, outs, strict=True))
 
 
-#: Operations whose re-run costs far more than a pass over their result: a later rebuild
-#: block reads the run an earlier one made (:meth:`_Rewrite.rebuild_block`).
+#: Operations whose re-run costs far more than a pass over their result: the next rebuild
+#: block reads such a run again when it rebuilds that result (:meth:`_Rewrite.rebuild_block`).
 _READ_AGAIN = frozenset(("dot_general", "conv_general_dilated"))
 
 _MAX_HEAVY = 2
