@@ -36,7 +36,8 @@ The kinds of :mod:`bench.unseen_kinds` (BatchNorm, a scan inside an accumulation
 ``lax.switch`` per layer, ...) and the styles of :mod:`bench.unseen_styles` (tied
 embeddings, DP-SGD, packed sequences, bfloat16 parameters, an LSTM, NNX BatchNorm, ...)
 run when named: ``--programs batchnorm,nested-scan,switch`` or ``--programs tied,dpsgd``;
-so do the sweep of :mod:`bench.unseen_sweep` and :mod:`bench.unseen_fresh`'s ``muon``.
+so do the sweep of :mod:`bench.unseen_sweep` and the programs of :mod:`bench.unseen_fresh`
+(``muon``, ``scan-names``, ``scan-chunked``, ``lax-map``).
 
 ``--quick``: 1 layer at (2, 16), for the test. Prints a table and writes
 ``{"rows": [...], "shape", "layers"}`` to ``--out``.
@@ -259,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"{layers} layers at b={b}, s={s} (decoders; bench.unseen_programs for the others); "
         f"budget {BUDGET_FRACTION}x plain jax.jit's peak")
     rows = []
-    others = {**CASES, **KINDS, **STYLES, **SWEEP, **FRESH}  # run when named (31, 36, 37, 42)
+    others = {**CASES, **KINDS, **STYLES, **SWEEP, **FRESH}  # run when named (31, 36, 37, 42, 43)
     for name in args.programs.split(","):
         if name not in PROGRAMS and name not in others:
             raise SystemExit(f"--programs: unknown program {name!r}; known: "

@@ -1,4 +1,4 @@
-"""A program written apart from jaxmem (session 42), as a :class:`~bench.unseen_programs.Case`.
+"""Programs written apart from jaxmem (sessions 42, 43), as :class:`~bench.unseen_programs.Case`.
 
 ``muon``: a plain-JAX encoder-decoder (bidirectional encoder, causal decoder with
 cross-attention) over two symbolic lengths, ``s`` for the source and ``t`` for the
@@ -7,6 +7,18 @@ iterations (a ``fori_loop`` of matmuls) orthogonalise each matrix. The optimizer
 matmuls run after the backward pass, on every parameter matrix. (An NNX
 encoder-decoder and a top-2 mixture of experts, probed in the same session, are the
 ``encdec`` and ``moe`` of :mod:`bench.unseen_programs` already.)
+
+Session 43's, a decoder as MaxText writes one (stacked layer params under ``lax.scan``,
+a fused ``qkv`` projection, RMSNorm with gains, a SwiGLU MLP) and a loss that never
+holds the whole ``[b, s, vocab]`` logits: a ``lax.scan`` over vocabulary chunks keeps a
+running max, sum of exponentials and target logit (an online logsumexp); under
+``optax.chain(clip_by_global_norm, adamw(warmup_cosine_decay_schedule))``:
+
+* ``scan-names``: each layer under the user's ``jax.checkpoint`` with
+  ``save_only_these_names`` of two ``checkpoint_name``-tagged projections;
+* ``scan-chunked``: the same layers without any ``jax.checkpoint``;
+* ``lax-map``: the layers unrolled inside a per-sequence loss that ``jax.lax.map`` runs
+  over the batch: a ``scan`` whose trip count is the symbolic batch size.
 
 Example:
     >>> case = FRESH["muon"](True)
@@ -24,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.ad_checkpoint import checkpoint_name
 
 from bench.unseen_programs import VOCAB, Case, normal, tokens
 
@@ -104,5 +117,99 @@ def muon_case(quick: bool) -> Case:
     return _two_lengths(quick, step, (params, jax.tree.map(jnp.zeros_like, params)))
 
 
+def _rms(x: jax.Array, gain: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6) * gain
+
+
+def _fused_layer(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    b, s, _ = x.shape
+    qkv = checkpoint_name(_rms(x, p["g1"]) @ p["qkv"], "qkv_proj")
+    q, k, v = (y.reshape(b, s, HEADS, D // HEADS) for y in jnp.split(qkv, 3, -1))
+    scores = jnp.einsum("bshd,bthd->bhst", q, k) / np.sqrt(D // HEADS)
+    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -1e9)
+    out = jnp.einsum("bhst,bthd->bshd", jax.nn.softmax(scores, -1), v).reshape(b, s, D)
+    x = x + checkpoint_name(out @ p["o"], "out_proj")
+    h = _rms(x, p["g2"])
+    return x + (jax.nn.silu(h @ p["w1"]) * (h @ p["w3"])) @ p["w2"]
+
+
+def _stacked_params(layers: int) -> Any:
+    shapes = {"qkv": (layers, D, 3 * D), "o": (layers, D, D), "w1": (layers, D, 3 * D),
+              "w3": (layers, D, 3 * D), "w2": (layers, 3 * D, D)}
+    ones = {"g1": jnp.ones((layers, D)), "g2": jnp.ones((layers, D))}
+    return {"emb": normal((VOCAB, D), 43), "gain": jnp.ones(D),
+            "layers": {**normal(shapes, 44), **ones}}
+
+
+def _chunked_cross_entropy(x: jax.Array, emb: jax.Array, labels: jax.Array,
+                           chunks: int = 4) -> jax.Array:
+    """Mean cross-entropy of ``x @ emb.T``, one vocabulary chunk of logits at a time."""
+    width = VOCAB // chunks
+
+    def body(carry: Any, chunk: Any) -> Any:
+        top, total, target = carry
+        index, w = chunk
+        logits = x @ w.T
+        ids = jnp.arange(width) + index * width
+        target = target + jnp.where(ids == labels[..., None], logits, 0.0).sum(-1)
+        new_top = jnp.maximum(top, logits.max(-1))
+        total = total * jnp.exp(top - new_top) + jnp.exp(logits - new_top[..., None]).sum(-1)
+        return (new_top, total, target), None
+
+    zeros = jnp.zeros(labels.shape)
+    (top, total, target), _ = jax.lax.scan(
+        body, (zeros - 1e30, zeros, zeros), (jnp.arange(chunks), emb.reshape(chunks, width, D)))
+    return (top + jnp.log(total) - target).mean()
+
+
+def _scan_loss(policy: Callable[..., Any] | None) -> Callable[..., jax.Array]:
+    def layer(x: jax.Array, p: Any) -> tuple[jax.Array, None]:
+        return _fused_layer(x, p), None
+
+    body = layer if policy is None else jax.checkpoint(layer, policy=policy)
+
+    def loss(p: Any, toks: jax.Array) -> jax.Array:
+        x, _ = jax.lax.scan(body, p["emb"][toks], p["layers"])
+        return _chunked_cross_entropy(_rms(x, p["gain"])[:, :-1], p["emb"], toks[:, 1:])
+
+    return loss
+
+
+def _mapped_loss(p: Any, toks: jax.Array) -> jax.Array:
+    layers = p["layers"]["qkv"].shape[0]
+
+    def one_sequence(t: jax.Array) -> jax.Array:
+        x = p["emb"][t][None]
+        for i in range(layers):
+            x = _fused_layer(x, jax.tree.map(lambda a, i=i: a[i], p["layers"]))
+        logits = _rms(x, p["gain"])[0, :-1] @ p["emb"].T
+        return optax.softmax_cross_entropy_with_integer_labels(logits, t[1:]).mean()
+
+    return jax.lax.map(one_sequence, toks).mean()
+
+
+def _adamw_case(loss: Callable[..., jax.Array], quick: bool) -> Case:
+    opt = optax.chain(optax.clip_by_global_norm(1.0),
+                      optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100)))
+
+    def step(state: Any, toks: jax.Array) -> Any:
+        params, opt_state = state
+        value, grads = jax.value_and_grad(loss)(params, toks)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), value
+
+    b, s, layers = (2, 16, 2) if quick else (8, 64, 4)
+    params = _stacked_params(layers)
+    return Case(step, (params, opt.init(params)), (tokens((b, s)),), (None, "b, s"),
+                (f"b <= {b}", f"s <= {s}", "s >= 2"))
+
+
+_NAMES = jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_proj")
+
 #: name -> builder of the program's case (``quick``: CI-sized)
-FRESH: dict[str, Callable[[bool], Case]] = {"muon": muon_case}
+FRESH: dict[str, Callable[[bool], Case]] = {
+    "muon": muon_case,
+    "scan-names": lambda quick: _adamw_case(_scan_loss(_NAMES), quick),
+    "scan-chunked": lambda quick: _adamw_case(_scan_loss(None), quick),
+    "lax-map": lambda quick: _adamw_case(_mapped_loss, quick),
+}
