@@ -37,7 +37,7 @@ The kinds of :mod:`bench.unseen_kinds` (BatchNorm, a scan inside an accumulation
 embeddings, DP-SGD, packed sequences, bfloat16 parameters, an LSTM, NNX BatchNorm, ...)
 run when named: ``--programs batchnorm,nested-scan,switch`` or ``--programs tied,dpsgd``;
 so do the sweep of :mod:`bench.unseen_sweep` and the programs of :mod:`bench.unseen_fresh`
-(``muon``, ``scan-names``, ``scan-chunked``, ``lax-map``).
+(``muon``, ``scan-names``, ``scan-chunked``, ``lax-map``, ``nnx-dropout``, ...).
 
 ``--quick``: 1 layer at (2, 16), for the test. Prints a table and writes
 ``{"rows": [...], "shape", "layers"}`` to ``--out``.

@@ -18,7 +18,12 @@ running max, sum of exponentials and target logit (an online logsumexp); under
   ``save_only_these_names`` of two ``checkpoint_name``-tagged projections;
 * ``scan-chunked``: the same layers without any ``jax.checkpoint``;
 * ``lax-map``: the layers unrolled inside a per-sequence loss that ``jax.lax.map`` runs
-  over the batch: a ``scan`` whose trip count is the symbolic batch size.
+  over the batch: a ``scan`` whose trip count is the symbolic batch size;
+* ``nnx-dropout``, ``nnx-dropout-scan``: a Flax NNX decoder of ``nnx.MultiHeadAttention``
+  (with attention dropout) and ``nnx.Dropout`` after each sublayer, its layers in an
+  ``nnx.List`` called in a Python loop, or created by ``nnx.vmap`` and run by
+  ``nnx.scan``; the dropout streams live in the model (their counts are state the step
+  returns), and the loss is taken by ``nnx.value_and_grad`` of the merged model.
 
 Example:
     >>> case = FRESH["muon"](True)
@@ -36,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from bench.unseen_programs import VOCAB, Case, normal, tokens
@@ -204,6 +210,71 @@ def _adamw_case(loss: Callable[..., jax.Array], quick: bool) -> Case:
                 (f"b <= {b}", f"s <= {s}", "s >= 2"))
 
 
+class _DropoutBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        # No biases: a key projection's bias has a zero gradient, which Adam's
+        # normalised update turns into rounding noise of the learning rate's size.
+        self.attn = nnx.MultiHeadAttention(num_heads=HEADS, in_features=D, decode=False,
+                                           dropout_rate=0.1, deterministic=False,
+                                           use_bias=False, rngs=rngs)
+        self.norms = nnx.List([nnx.LayerNorm(D, rngs=rngs) for _ in range(2)])
+        self.up, self.down = nnx.Linear(D, 4 * D, rngs=rngs), nnx.Linear(4 * D, D, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, deterministic=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.drop(self.attn(self.norms[0](x), mask=mask))
+        return x + self.drop(self.down(nnx.gelu(self.up(self.norms[1](x)))))
+
+
+class _DropoutDecoder(nnx.Module):
+    def __init__(self, layers: int, scan: bool, rngs: nnx.Rngs) -> None:
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stacked(rngs: nnx.Rngs) -> _DropoutBlock:
+            return _DropoutBlock(rngs)
+
+        self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+        self.blocks = (stacked(rngs) if scan
+                       else nnx.List([_DropoutBlock(rngs) for _ in range(layers)]))
+        self.scan, self.norm = scan, nnx.LayerNorm(D, rngs=rngs)
+
+    def __call__(self, toks: jax.Array) -> jax.Array:
+        x, mask = self.embed(toks), nnx.make_causal_mask(toks)
+        if self.scan:
+            @nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
+            def body(x: jax.Array, block: _DropoutBlock, mask: jax.Array) -> jax.Array:
+                return block(x, mask)
+
+            x = body(x, self.blocks, mask)
+        else:
+            for block in self.blocks:
+                x = block(x, mask)
+        return self.embed.attend(self.norm(x))
+
+
+def nnx_dropout_case(quick: bool, scan: bool) -> Case:
+    """The NNX dropout decoder (``scan``: over ``nnx.vmap``-stacked layers) under AdamW."""
+    b, s, layers = (2, 16, 2) if quick else (8, 64, 4)
+    graphdef, params, rest = nnx.split(
+        _DropoutDecoder(layers, scan, nnx.Rngs(params=0, dropout=1)), nnx.Param, ...)
+    opt = optax.adamw(1e-3)
+
+    def loss(model: _DropoutDecoder, toks: jax.Array) -> jax.Array:
+        logits = model(toks)[:, :-1]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, toks[:, 1:]).mean()
+
+    def step(state: Any, toks: jax.Array) -> Any:
+        params, rest, opt_state = state
+        model = nnx.merge(graphdef, params, rest)
+        value, grads = nnx.value_and_grad(loss)(model, toks)
+        _, params, rest = nnx.split(model, nnx.Param, ...)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), rest, opt_state), value
+
+    return Case(step, (params, rest, opt.init(params)), (tokens((b, s)),), (None, "b, s"),
+                (f"b <= {b}", f"s <= {s}", "s >= 2"))
+
+
 _NAMES = jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_proj")
 
 #: name -> builder of the program's case (``quick``: CI-sized)
@@ -212,4 +283,6 @@ FRESH: dict[str, Callable[[bool], Case]] = {
     "scan-names": lambda quick: _adamw_case(_scan_loss(_NAMES), quick),
     "scan-chunked": lambda quick: _adamw_case(_scan_loss(None), quick),
     "lax-map": lambda quick: _adamw_case(_mapped_loss, quick),
+    "nnx-dropout": lambda quick: nnx_dropout_case(quick, scan=False),
+    "nnx-dropout-scan": lambda quick: nnx_dropout_case(quick, scan=True),
 }

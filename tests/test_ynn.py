@@ -7,6 +7,7 @@ softmax-backward fusion) and its level 0 4 % under (the norm scale broadcasts).
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 import sympy
+from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -149,6 +151,33 @@ def test_norm_scale_broadcast_lives_from_start_to_its_backward_reader() -> None:
     full = 512 * 256 * 4
     assert [extra.nbytes.subs(sym("b"), n) for n in (4, 8, 16)] == [0, 8 * full, 16 * full]
     assert shared_row_broadcasts(g, order, used_nodes(g), "gpu") == []
+
+
+def _flax_layer_norm_grad(x, scale, bias, w):
+    def loss(x, scale, bias, w):
+        norm = nnx.LayerNorm(x.shape[-1], rngs=nnx.Rngs(0))
+        norm.scale.value, norm.bias.value = scale, bias
+        return jnp.tanh(norm(x) @ w).sum()
+    return jax.grad(loss, argnums=(0, 1, 2, 3))(x, scale, bias, w)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU's library")
+def test_flax_norm_scale_broadcast_is_a_buffer_from_the_sums_input_elements() -> None:
+    """Flax's LayerNorm sums ``d(rsqrt(var) * scale) * scale`` alone per row: YNN takes that
+    product once the sum reads 4096 elements, far below 4096 rows."""
+    (b,) = jax.export.symbolic_shape("b")
+    g = build_graph(jax.make_jaxpr(_flax_layer_norm_grad)(
+        _f32(b, 8, 64), _f32(64), _f32(64), _f32(64, 64)))
+    (extra,) = shared_row_broadcasts(g, list(range(len(g.nodes))), used_nodes(g), "cpu")
+    full = 8 * 64 * 4
+    sizes = {n: extra.nbytes.subs(sym("b"), n) for n in (4, 8)}
+    assert sizes == {4: 0, 8: 8 * full}
+    for n, size in sizes.items():
+        compiled = jax.jit(_flax_layer_norm_grad).lower(
+            _f32(n, 8, 64), _f32(64), _f32(64), _f32(64, 64)).compile()
+        wrapped = re.findall(r"%wrapped_broadcast[.0-9]* = f32\[(\d+),8,64\]",
+                             compiled.as_text())
+        assert (size > 0) == bool(wrapped), (n, wrapped)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA CPU's library")

@@ -337,10 +337,25 @@ def shared_row_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[boo
             continue
         p = graph.producers.get(src)
         start = pos[p] if p is not None else 0
-        rows = sympy.Mul(*shape[:-1])
+        # A product summed alone joins its row sum's YNN fusion from the sum's input
+        # elements on; other readers join only once the rows reach the threshold.
+        alone = any(_summed_alone(graph, order[q], used) for q in at)
+        rows = sympy.Mul(*shape) if alone else sympy.Mul(*shape[:-1])
         nbytes = sympy.expand(4 * sympy.Mul(*shape) * from_rows(rows))
         out.append(Extra(src, nbytes, start, max(at), "norm scale broadcast"))
     return out
+
+
+def _summed_alone(graph: Graph, node_index: int, used: Sequence[bool]) -> bool:
+    """Whether ``node_index``'s output is read by one used op, a row sum (as Flax's
+    LayerNorm's gradient of ``rsqrt(var) * scale`` is): YNN then fuses the product and
+    reads the scale's broadcast as an operand once the sum's input has
+    :data:`YNN_MIN_ROWS` elements (measured, jax 0.10.2: ``nnx.LayerNorm`` over 16 x 256
+    and 512 x 64, not 64 x 16; a plain LayerNorm's ``dy * scale``, read three times,
+    only from 4096 rows)."""
+    readers = [r for r in graph.consumers.get(graph.nodes[node_index].outputs[0], ())
+               if used[r]]
+    return len(readers) == 1 and _is_row_sum(graph, readers[0])
 
 
 def _reads_broadcast_scale(graph: Graph, node: Node) -> bool:
