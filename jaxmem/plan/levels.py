@@ -39,7 +39,7 @@ from jaxmem.fastexpr import sum_at
 from jaxmem.graph import Graph
 from jaxmem.memory import MemoryModel, memory_model
 from jaxmem.plan.level import Level
-from jaxmem.plan.loops import loop_candidates, with_loop_plan
+from jaxmem.plan.loops import apply_loop_plan, loop_candidates, with_groups
 from jaxmem.plan.offload import Costs, costs_for
 from jaxmem.plan.pareto import on_frontier
 from jaxmem.plan.remat import apply_remat, offload_chains, recompute_chains
@@ -371,12 +371,13 @@ class _Greedy:
             return
         bases = list(dict.fromkeys([((), ()), (base.recompute, base.offload)]))
         candidates = []
+        graph_flops = sympy.Add(*[n.flops for n in self.graph.nodes])
         for plan in loop_candidates(self.graph, pairs, self.corner, self.costs):
+            looped = apply_loop_plan(self.graph, plan)
             for recompute, offload in bases:
-                g2, chosen, moved = with_loop_plan(self.graph, plan, recompute, offload)
+                g2, chosen, moved = with_groups(looped, recompute, offload)
                 m = memory_model(g2, self.dom, donated=self.donated, symbolic=self.symbolic)
-                flops = sympy.expand(sympy.Add(*[n.flops for n in g2.nodes])
-                                     - sympy.Add(*[n.flops for n in self.graph.nodes]))
+                flops = sympy.expand(sympy.Add(*[n.flops for n in g2.nodes]) - graph_flops)
                 candidates.append(Level((*recompute, plan.name), chosen, g2, m, flops,
                                         offload, moved, loops=plan))
         self.keep_lowering(candidates, LOOP_MARGIN)

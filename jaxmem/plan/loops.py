@@ -183,11 +183,18 @@ def with_loop_plan(graph: Graph, plan: LoopPlan, recompute: Sequence[str] = (),
     """``plan`` applied to ``graph``, then the residual groups named in ``recompute`` and
     ``offload`` (:func:`~jaxmem.plan.remat.apply_remat`); the graph, and the residuals
     recomputed and offloaded. The planner scores, and the rewrite runs, exactly this."""
-    g = apply_loop_plan(graph, plan)
-    residuals = find_residuals(g)
+    return with_groups(apply_loop_plan(graph, plan), recompute, offload)
+
+
+def with_groups(graph: Graph, recompute: Sequence[str] = (), offload: Sequence[str] = ()
+                ) -> tuple[Graph, tuple[Residual, ...], tuple[Residual, ...]]:
+    """The residual groups named in ``recompute`` and ``offload`` of ``graph`` (a loop
+    plan's graph, applied once for every set of groups the planner tries on it)
+    recomputed and offloaded; the graph, and those residuals."""
+    residuals = find_residuals(graph)
     chosen = tuple(r for r in residuals if r.group in set(recompute))
     moved = tuple(r for r in residuals if r.group in set(offload))
-    return apply_remat(g, chosen, moved, residuals), chosen, moved
+    return apply_remat(graph, chosen, moved, residuals), chosen, moved
 
 
 def apply_loop_plan(graph: Graph, plan: LoopPlan) -> Graph:
