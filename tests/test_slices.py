@@ -96,6 +96,28 @@ def test_a_slice_a_barrier_holds_is_a_temporary_until_its_copy_is_last_read() ->
     assert (b.kind, b.start, b.end) == ("temp", 0, cos), b
 
 
+def test_a_barrier_that_also_holds_a_literal_keeps_its_operands_in_place() -> None:
+    """A level's barrier in a loop body can hold a literal (a causal mask's ``-1e9``) beside
+    a slice: the slice's copy is still read where the barrier's matching output is."""
+    def f(c: jax.Array, xs: jax.Array) -> jax.Array:
+        def body(h: jax.Array, x: jax.Array) -> tuple[jax.Array, None]:
+            fill, held = jax.lax.optimization_barrier((-1e9, x))
+            return jnp.sin(h) + jnp.cos(held) + fill, None
+        return jax.lax.scan(body, c, xs)[0]
+
+    g = build_graph(jax.make_jaxpr(f)(jnp.ones((4, D)), jnp.ones((3, 4, D))))
+    scan = next(n for n in g.nodes if n.primitive == "scan")
+    body = scan.subgraphs[0]
+    barrier = next(n for n in body.nodes if n.primitive == "optimization_barrier")
+    assert len(barrier.inputs) < len(barrier.outputs), "the literal is no value"
+    slices = sliced_xs(body, scan.eqn.params)
+    order = list(range(len(body.nodes)))
+    (b,) = (b for b in slices_as_temps(body, order, liveness(body, order, "cpu"), slices)
+            if b.value in slices)
+    cos = next(i for i, n in enumerate(body.nodes) if n.primitive == "cos")
+    assert (b.kind, b.start, b.end) == ("temp", 0, cos), b
+
+
 def test_a_filler_a_barrier_holds_is_made_in_the_loop_body() -> None:
     """The causal filler a level's barrier holds in a scanned bf16 GPT's backward body:
     XLA writes it to a buffer in the body (checked in its HLO), and so does the model."""

@@ -82,7 +82,10 @@ def _memory_readers(body: Graph, v: int) -> list[int]:
         node = body.nodes[c]
         if node.primitive == "optimization_barrier":
             out.append(c)
-            for x, o in zip(node.inputs, node.outputs, strict=True):
+            # By operand position: ``inputs`` leaves out the literals a barrier may read
+            # (a gradient accumulation's zero), ``operands`` keeps their places.
+            operands = node.operands if len(node.operands) == len(node.outputs) else node.inputs
+            for x, o in zip(operands, node.outputs, strict=True):
                 if x == v:
                     out.extend(body.consumers.get(o, ()))
         elif not _fuses_slice(body, c):
