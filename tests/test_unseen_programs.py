@@ -43,14 +43,25 @@ def _assert_same(got: object, want: object) -> None:
     with low-precision leaves, to bfloat16 rounding at unit scale: a bfloat16 chain
     recomputed in another fusion may round a gradient one step apart, which moves the
     float32 moments computed from it, and Adam's normalised update of a near-zero
-    gradient by up to twice the learning rate."""
+    gradient by up to twice the learning rate. An attention key projection's bias has a
+    gradient of exactly zero (softmax ignores a shift shared by a row's scores): its
+    update is rounding noise that Adam normalises, so it is held to twice the programs'
+    learning rate (1e-3) in every precision (the full-size ``encdec`` and ``trainstate``)."""
     low = any(x.dtype in (jnp.bfloat16, jnp.float16) for x in jax.tree.leaves(want))
-    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    pairs = zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True)
+    for (path, x), y in pairs:
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x, y = jax.random.key_data(x), jax.random.key_data(y)
         x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
         atol = 1e-2 * float(np.max(np.abs(y), initial=1.0)) if low else 1e-5
+        if _is_key_bias(path):
+            atol = max(atol, 2e-3)
         np.testing.assert_allclose(x, y, rtol=1e-2 if low else 1e-5, atol=atol)
+
+
+def _is_key_bias(path: tuple[object, ...]) -> bool:
+    names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+    return any(a == "key" and b == "bias" for a, b in zip(names, names[1:], strict=False))
 
 
 TRAIN = sorted((set(CASES) | set(KINDS) | set(STYLES) | set(SWEEP) | set(FRESH)) - {"eval"})
