@@ -83,7 +83,7 @@ def _memory_readers(body: Graph, v: int) -> list[int]:
         if node.primitive == "optimization_barrier":
             out.append(c)
             # By operand position: ``inputs`` leaves out the literals a barrier may read
-            # (a gradient accumulation's zero), ``operands`` keeps their places.
+            # (a causal mask's ``-1e9`` filler), ``operands`` keeps their places.
             operands = node.operands if len(node.operands) == len(node.outputs) else node.inputs
             for x, o in zip(operands, node.outputs, strict=True):
                 if x == v:

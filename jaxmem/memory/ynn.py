@@ -302,8 +302,9 @@ def shared_row_broadcasts(graph: Graph, order: Sequence[int], used: Sequence[boo
     buffer of the rows' size, computed when its vector is (the program's start for a
     parameter) and read until its last reader (measured, jax 0.10.2: the plain GPT's
     ``wrapped_broadcast`` fusions at (8, 512), none at (4, 256), whose norms sum 1024
-    rows). Gated on the rows reaching :data:`YNN_MIN_ROWS`. A bfloat16 norm's scale is
-    broadcast in float32, the precision XLA CPU computes it in (the bf16 GPT's
+    rows). Gated on the rows reaching :data:`YNN_MIN_ROWS`, or on the elements where a
+    row sum alone reads the product (Flax's LayerNorm: :func:`_summed_alone`). A bfloat16
+    norm's scale is broadcast in float32, the precision XLA CPU computes it in (the bf16 GPT's
     ``convert_broadcast_fusion`` operands). A float32 norm's gradient that is a sum of
     cotangents (``add_any``: a Llama's q/k/v or gate/up inputs) is multiplied by the scale
     in a loop fusion that reads the vector itself, so only the forward pass reads its
