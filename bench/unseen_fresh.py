@@ -44,6 +44,7 @@ import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from bench.programs import optax_step
 from bench.unseen_programs import VOCAB, Case, normal, tokens
 
 D, HEADS = 64, 4
@@ -197,16 +198,10 @@ def _mapped_loss(p: Any, toks: jax.Array) -> jax.Array:
 def _adamw_case(loss: Callable[..., jax.Array], quick: bool) -> Case:
     opt = optax.chain(optax.clip_by_global_norm(1.0),
                       optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100)))
-
-    def step(state: Any, toks: jax.Array) -> Any:
-        params, opt_state = state
-        value, grads = jax.value_and_grad(loss)(params, toks)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), value
-
     b, s, layers = (2, 16, 2) if quick else (8, 64, 4)
     params = _stacked_params(layers)
-    return Case(step, (params, opt.init(params)), (tokens((b, s)),), (None, "b, s"),
+    return Case(optax_step(loss, opt), (params, opt.init(params)), (tokens((b, s)),),
+                (None, "b, s"),
                 (f"b <= {b}", f"s <= {s}", "s >= 2"))
 
 
