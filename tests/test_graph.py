@@ -214,6 +214,24 @@ def test_no_warning_for_known_primitives() -> None:
         build_graph(jax.make_jaxpr(p.step)(*p.symbolic_args()))
 
 
+def test_a_debug_print_in_a_train_step_is_known_and_runs(capfd) -> None:
+    # jax.debug.print binds debug_print (no results, operands read on the device): a
+    # train step that prints its loss must plan without a warning and still print.
+    def loss(w, x):
+        y = jnp.tanh(x @ w)
+        jax.debug.print("loss {l}", l=y.sum())
+        return (y * y).sum()
+
+    w, x = jnp.ones((8, 8)) * 0.1, jnp.ones((4, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmem.JaxmemWarning)
+        step = jaxmem.jit(jax.grad(loss), polymorphic_shapes=(None, "b, 8"),
+                          constraints=("b <= 16",))
+        got = step(w, x)
+    np.testing.assert_allclose(got, jax.grad(loss)(w, x), rtol=1e-6)
+    assert "loss" in capfd.readouterr().out
+
+
 def test_a_linear_solve_and_its_gradient_are_known() -> None:
     # jnp.linalg.solve binds custom_linear_solve (an LU solve inside): an opaque op, as
     # lu and triangular_solve are, not an unknown one.

@@ -199,16 +199,6 @@ def test_static_argnums_and_python_scalars():
     assert f.compiles == 2
 
 
-def _keyword_step(w: jax.Array, x: jax.Array, lr: float = 0.1, power: int = 2,
-                  bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    def loss(w: jax.Array) -> jax.Array:
-        h = x @ w + (0.0 if bias is None else bias)
-        return jnp.mean(jnp.tanh(h) ** power)
-
-    value, g = jax.value_and_grad(loss)(w)
-    return w - lr * g, value
-
-
 def _tempered_step(scale, w, x):
     def loss(scale, w):
         zi = jax.nn.gelu(x @ w)
@@ -233,37 +223,6 @@ def test_a_weakly_typed_scalar_argument_keeps_every_levels_residuals():
         warnings.simplefilter("error", jaxmem.JaxmemWarning)
         for k in range(len(f.plans(*args).levels)):
             f.compile_level(k, *args)
-
-
-def test_keyword_arguments_as_jax_jit_takes_them():
-    ref = jax.jit(_keyword_step, static_argnames=("power",))
-    f = jaxmem.jit(_keyword_step, polymorphic_shapes=(None, "b, 4"), constraints=("b <= 8",),
-                   static_argnames="power")
-    w, bias = MLP_PARAMS["w"], jnp.linspace(0, 1, 8)
-    for b, kw in [(3, {"lr": 0.5}), (5, {"lr": 0.25}), (3, {"lr": 0.75}),
-                  (5, {"lr": 0.25, "power": 3}),
-                  (2, {"bias": bias, "lr": 0.2, "power": 3})]:
-        assert_tree_close(f(w, rows(b), **kw), ref(w, rows(b), **kw))
-    assert f.cache_info().analyses == 3  # one per keyword signature and static value
-    assert f.compiles == 4  # lr is a traced scalar: (3, lr=0.75) reuses (3, lr=0.5)
-    plan = f.plan_for(w, rows(6), lr=0.5)
-    assert plan.dims == {"b": 6} and plan.predicted_peak_bytes > 0
-    assert f.compile_level(0, w, rows(6), lr=0.5, apply_order=False).level == 0
-    assert f.plans(w, rows(6), lr=0.5, power=3).levels
-
-
-def test_keyword_argument_errors_name_the_argument():
-    f = jaxmem.jit(_keyword_step, polymorphic_shapes=(None, "b, 4"), static_argnames=("power",))
-    with pytest.raises(jaxmem.ShapeOutOfRangeError, match=r"2 entries .* 1 positional.*x"):
-        f(MLP_PARAMS["w"], x=rows(3))  # symbolic dims come only with positional arguments
-    with pytest.raises(jaxmem.ShapeOutOfRangeError, match="hashable"):
-        f(MLP_PARAMS["w"], rows(3), power=[2])
-    with pytest.raises(ValueError, match="static_argnames must hold argument names, got 3"):
-        jaxmem.jit(_keyword_step, static_argnames=(3,))
-    sharded = jaxmem.jit(_keyword_step, polymorphic_shapes=(None, "b, 4"),
-                         in_shardings=(None, None))
-    with pytest.raises(ValueError, match=r"keyword arguments \(lr\) cannot be passed"):
-        sharded(MLP_PARAMS["w"], rows(3), lr=0.5)
 
 
 def test_flax_nnx_step():

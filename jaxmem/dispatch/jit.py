@@ -302,6 +302,8 @@ class Jitted:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
+            args, kwargs = self._keyword.promote(args, kwargs)
+        if kwargs:
             inner, pos = self._keyword.route(args, kwargs)
             return inner(*pos)
         entry = None

@@ -5,7 +5,10 @@ arguments runs, through its own :class:`~jaxmem.dispatch.jit.Jitted`, the functi
 one more positional argument: the dict of the dynamic keyword arguments (arrays or
 scalars; no symbolic dims, so each keeps the shape it first came with), with the
 static ones (``static_argnames``) bound in. There is one such function per number of
-positional arguments, set of keyword names and static values.
+positional arguments, set of keyword names and static values. A keyword argument that
+names a positional parameter with a ``polymorphic_shapes`` entry is passed in its place
+first (``step(state, batch=batch)`` is ``step(state, batch)``), as its symbolic dims
+need a position.
 
 Example:
     >>> import jax.numpy as jnp, jaxmem
@@ -86,6 +89,23 @@ def dynamic_keywords(kwargs: Mapping[str, Any], static_argnames: Sequence[str]
     return {k: v for k, v in kwargs.items() if k not in static_argnames}
 
 
+def shaped_positions(fun: Callable[..., Any], settings: Mapping[str, Any]) -> tuple[str, ...]:
+    """The names of ``fun``'s leading positional parameters that ``polymorphic_shapes``
+    gives entries, in order (empty where the signature cannot be read)."""
+    shapes = settings["polymorphic_shapes"]
+    n = 0 if shapes is None else 1 if isinstance(shapes, str) else len(tuple(shapes))
+    try:
+        params = list(inspect.signature(fun).parameters.values())[:n]
+    except (TypeError, ValueError):  # a builtin or C callable: keywords stay keywords
+        return ()
+    names = []
+    for p in params:
+        if p.kind is not p.POSITIONAL_OR_KEYWORD:
+            break
+        names.append(p.name)
+    return tuple(names)
+
+
 class KeywordCalls:
     """The function of each keyword signature of one ``jaxmem.jit`` function, made once.
 
@@ -99,8 +119,21 @@ class KeywordCalls:
                  make: Callable[[Callable[..., Any], dict[str, Any]], Any]) -> None:
         self.fun, self.settings, self.make = fun, dict(settings), make
         self.static_argnames: tuple[str, ...] = self.settings["static_argnames"]
+        self.shaped = tuple(n for n in shaped_positions(fun, settings)
+                            if n not in self.static_argnames)
         self.made: dict[Any, Any] = {}
         self._lock = threading.Lock()
+
+    def promote(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``args`` extended by the keyword arguments that name the next parameters with
+        ``polymorphic_shapes`` entries, and the keyword arguments left."""
+        for name in self.shaped[len(args):]:
+            if name not in kwargs:
+                break
+            kwargs = dict(kwargs)
+            args = (*args, kwargs.pop(name))
+        return args, kwargs
 
     def route(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, tuple]:
         """The jitted function that runs ``fun(*args, **kwargs)``, and its arguments."""
@@ -127,6 +160,8 @@ def routes_keywords(lead: int = 0) -> Callable[[Callable[..., Any]], Callable[..
         @functools.wraps(method)
         def route(self: Any, *args: Any, **kwargs: Any) -> Any:
             mine = {k: kwargs.pop(k) for k in own & kwargs.keys()}
+            tail, kwargs = self._keyword.promote(args[lead:], kwargs)
+            args = (*args[:lead], *tail)
             if not kwargs:
                 return method(self, *args, **mine)
             inner, pos = self._keyword.route(args[lead:], kwargs)

@@ -50,8 +50,11 @@ argsort top_k random_bits dim_as_value all_reduce psum psum_invariant all_gather
 ppermute all_to_all
 approx_top_k tridiagonal_solve householder_product schur custom_linear_solve platform_index
 sharding_constraint
-device_put mesh_cast reshard
+device_put mesh_cast reshard debug_print
 """.split())
+# ``debug_print`` (``jax.debug.print``) has no results and reads its operands in place on
+# the device, so the opaque rule is exact for it; the callbacks below return host
+# results whose host-side memory is not modelled.
 CALLBACK = frozenset("pure_callback io_callback debug_callback callback".split())
 
 
