@@ -16,6 +16,7 @@ from jaxmem.errors import (
     ScheduleError,
     ShapeOutOfRangeError,
     SymbolicError,
+    SymbolicTraceError,
 )
 from jaxmem.grad import value_and_grad
 from jaxmem.graph import JaxmemWarning
@@ -35,6 +36,7 @@ __all__ = [
     "Scheduler",
     "ShapeOutOfRangeError",
     "SymbolicError",
+    "SymbolicTraceError",
     "analyze",
     "jit",
     "region",

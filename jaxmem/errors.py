@@ -46,6 +46,15 @@ class SymbolicError(JaxmemError):
     """
 
 
+class SymbolicTraceError(SymbolicError):
+    """JAX cannot trace the function with the declared symbolic dims: a comparison of dims
+    the constraints do not settle, or an op without symbolic support.
+
+    ``jaxmem.analyze`` raises it; ``jaxmem.jit`` warns once and analyses each call shape
+    on its own instead (as ``jax.jit`` retraces per shape).
+    """
+
+
 class JaxmemWarning(UserWarning):
     """A conservative estimate was used (unknown primitive, host callback, ...), or a
     request was narrowed (a gradient microbatching cannot split, taken whole)."""

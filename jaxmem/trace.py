@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem.errors import JaxmemError, ShapeOutOfRangeError, SymbolicError
+from jaxmem.errors import JaxmemError, ShapeOutOfRangeError, SymbolicTraceError
 from jaxmem.unroll import write_out
 
 
@@ -106,7 +106,7 @@ def trace(fn: Callable[..., Any], *specs: Any) -> Traced:
         A :class:`Traced`.
 
     Raises:
-        SymbolicError: tracing needs a comparison of dims the constraints do not
+        SymbolicTraceError: tracing needs a comparison of dims the constraints do not
             settle (the message names it and the constraint to add), or JAX cannot
             trace an op with a symbolic size (the message names the dims).
     """
@@ -137,7 +137,7 @@ def _unsupported(e: Exception, symbols: Sequence[str]) -> JaxmemError | None:
     if not isinstance(e, NotImplementedError) or not named:
         return None
     dims = ", ".join(named)
-    return SymbolicError(
+    return SymbolicTraceError(
         f"JAX cannot trace the function with the symbolic dim(s) {dims}: {msg.splitlines()[0]} "
         f"Give {dims} a fixed size in polymorphic_shapes (one compile per value), or rewrite "
         "the op without it.")
@@ -152,5 +152,5 @@ def _inconclusive(e: Exception) -> JaxmemError:
     if cm:
         hint = f" Add the constraint \"{cm.group(1)} {cm.group(2)} {cm.group(3)}\" (or its " \
                "negation) to the symbolic_shape constraints, so that the case is settled."
-    return SymbolicError(f"tracing needs the symbolic comparison {what}, which the declared "
+    return SymbolicTraceError(f"tracing needs the symbolic comparison {what}, which the declared "
                          f"constraints do not settle.{hint}")

@@ -21,11 +21,12 @@ import sympy
 
 from jaxmem.dims import sym, to_sympy
 from jaxmem.errors import JaxmemError, ShapeOutOfRangeError
-from jaxmem.plan.analysis import Analysis, format_shape
+from jaxmem.plan.analysis import Analysis, Declared, format_shape
 
 
-def bind_dims(analysis: Analysis, dynamic: Sequence[Any]) -> dict[str, int]:
-    """Reads the dim values from concrete arguments and checks them.
+def bind_dims(analysis: Analysis | Declared, dynamic: Sequence[Any]) -> dict[str, int]:
+    """Reads the dim values from concrete arguments and checks them against the declared
+    shapes of ``analysis`` (an analysis, or the declared specs alone).
 
     Raises:
         ShapeOutOfRangeError: naming the argument, the dim, the value and the bound.

@@ -51,6 +51,7 @@ from jaxmem.dispatch.checks import (
 from jaxmem.dispatch.fastpath import key_reader
 from jaxmem.dispatch.keywords import KeywordCalls, check_argnames, routes_keywords
 from jaxmem.dispatch.plan import Plan, infeasible, make_plan, no_retry_fits, unrepeatable
+from jaxmem.dispatch.retrace import ShapeAnalyses
 from jaxmem.dispatch.store import AnalysisStore
 from jaxmem.dispatch.traced import PlannedLowered, as_jax_jit, has_tracer
 from jaxmem.errors import BudgetInfeasibleError
@@ -107,7 +108,8 @@ class Jitted:
         self.offload_costs = offload_costs
         self.cache_dir = check_cache_dir(cache_dir)
         self._store = AnalysisStore(self.cache_dir)  # shared by with_budget, like _analyses
-        self._analyses: OnceCache[Analysis] = OnceCache()
+        self._analyses = ShapeAnalyses(fun, self.polymorphic_shapes, self.constraints,
+                                       self.static_argnums, self._analyze)
         self._plans: OnceCache[Plan] = OnceCache()
         self._lock = threading.RLock()
         self._pool = CompilePool()
@@ -136,7 +138,7 @@ class Jitted:
         structured like ``args`` (arrays or ``jax.ShapeDtypeStruct``); derived once and
         shared by every shape and budget. Nothing is compiled."""
         static, dynamic = self._split(args)
-        return self._analysis(static, dynamic)
+        return self._analyses.get(static, dynamic)
 
     def plans(self, *args: Any, **kwargs: Any) -> PlanSet:
         """The levels derived (once, symbolically) for arguments structured like ``args``.
@@ -155,7 +157,7 @@ class Jitted:
         that measure every level (``Plan.peak_bytes`` is XLA's figure).
         """
         static, dynamic = self._split(args)
-        analysis = self._analysis(static, dynamic)
+        analysis = self._analyses.get(static, dynamic)
         if not 0 <= level < len(analysis.plans.levels):
             raise ValueError(f"level must be in [0, {len(analysis.plans.levels)}), got {level}")
         dims = bind_dims(analysis, dynamic)
@@ -216,15 +218,12 @@ class Jitted:
     def _split(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         return split_args(args, self.static_argnums)
 
-    def _analysis(self, static: tuple[Any, ...], dynamic: tuple[Any, ...]) -> Analysis:
-        flat, tree = jax.tree_util.tree_flatten(dynamic)
-        akey = (tree, static, tuple((len(getattr(x, "shape", ())), str(getattr(x, "dtype", "")))
-                                    for x in flat))
-        return self._analyses.get_or_make(akey, lambda: self._store.analyze(
-            lambda planner: analyze_specs(
-                self.fun, static, dynamic, self.static_argnums, self.polymorphic_shapes,
-                self.constraints, self.scheduler, self.donate_argnums, self.symbolic,
-                self.offload, self.offload_costs, planner)))
+    def _analyze(self, static: tuple[Any, ...], dynamic: tuple[Any, ...], shapes: Any,
+                 constraints: tuple[str, ...]) -> Analysis:
+        return self._store.analyze(lambda planner: analyze_specs(
+            self.fun, static, dynamic, self.static_argnums, shapes, constraints,
+            self.scheduler, self.donate_argnums, self.symbolic, self.offload,
+            self.offload_costs, planner))
 
     def _options(self, analysis: Analysis) -> CompileOptions:
         return CompileOptions(analysis.donate_dynamic, self.in_shardings, self.out_shardings)
@@ -251,7 +250,7 @@ class Jitted:
         :meth:`plan_for`): a ``jax.stages.Lowered``, whose ``compile()`` makes that
         executable (called without the static arguments, as ``jax.jit``'s)."""
         plan, (static, dynamic) = self.plan_for(*args), self._split(args)
-        analysis = self._analysis(static, dynamic)
+        analysis = self._analyses.get(static, dynamic)
         return PlannedLowered(lowered_level(analysis, plan.level, plan.dims, dynamic,
                                             self._options(analysis), plan.order_enforced,
                                             plan.microbatches, self._axis)[0])
@@ -261,7 +260,7 @@ class Jitted:
         """Compiles the level :func:`select_level` chooses under ``budget`` (default: the
         budget) and wraps it as a :class:`Plan`."""
         budget = self.budget_bytes if budget is None else budget
-        analysis = self._analysis(static, dynamic)
+        analysis = self._analyses.get(static, dynamic)
         dims = bind_dims(analysis, dynamic)
         local = local_dims(analysis, dims, arg_shardings(dynamic))
         made: dict[tuple[int, int], Executable] = {}
@@ -339,7 +338,7 @@ class Jitted:
         Without static arguments it holds the executable's C++ entry point (set up by
         ``Compiled.__call__``'s first call): a fast call runs no Python frame but the key's."""
         static, dynamic = self._split(args)
-        analysis = self._analysis(static, dynamic)
+        analysis = self._analyses.get(static, dynamic)
         if self._read_analysis is None:
             self._read_analysis = analysis
             self._read_key = key_reader(analysis, dynamic, self.static_argnums, len(args))

@@ -31,7 +31,7 @@ from jaxmem.plan.levels import PlanSet, plan_levels
 from jaxmem.plan.offload import Costs, costs_for, offload_by_default
 from jaxmem.schedulers import ScheduleGraph, Scheduler, validate_order
 from jaxmem.symbolic import ShapeDomain
-from jaxmem.trace import Traced, trace
+from jaxmem.trace import Traced, symbols_of, trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,43 @@ class Analysis:
 
 
 Orders = tuple[list[int] | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Declared:
+    """The declared shapes of the dynamic arguments, read without tracing.
+
+    Attributes:
+        specs: their symbolic specs (a tuple of pytrees).
+        flat_specs: the specs' leaves.
+        paths: readable paths of the leaves.
+        domain: the shape domain of the declared dims and constraints.
+    """
+
+    specs: tuple[Any, ...]
+    flat_specs: tuple[jax.ShapeDtypeStruct, ...]
+    paths: tuple[str, ...]
+    domain: ShapeDomain
+
+
+def declared_specs(static: tuple[Any, ...], dynamic: tuple[Any, ...],
+                   static_argnums: Sequence[int], polymorphic_shapes: Any,
+                   constraints: Sequence[str]) -> Declared:
+    """The dynamic arguments' specs under ``polymorphic_shapes`` and their domain.
+
+    Raises:
+        ShapeOutOfRangeError: an argument is not an array, or its rank is not declared.
+    """
+    n_args = len(static) + len(dynamic)
+    leaves_with_path = jax.tree_util.tree_flatten_with_path(dynamic)[0]
+    specs = _symbolic_specs(dynamic, leaves_with_path,
+                            _spec_for(polymorphic_shapes, static_argnums, n_args),
+                            polymorphic_shapes, constraints)
+    flat = tuple(jax.tree_util.tree_leaves(specs))
+    symbols, scoped = symbols_of(flat)
+    paths = tuple(f"args{jax.tree_util.keystr(p)}" for p, _ in leaves_with_path)
+    return Declared(tuple(specs), flat, paths,
+                    ShapeDomain.from_constraints(symbols, scoped or tuple(constraints)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,15 +183,12 @@ def analyze_specs(fun: Callable[..., Any], static: tuple[Any, ...], dynamic: tup
     ``planner`` derives the plan set and orders (:func:`derive_plans`, or a cache of it).
     """
     n_args = len(static) + len(dynamic)
-    leaves_with_path = jax.tree_util.tree_flatten_with_path(dynamic)[0]
-    specs = _symbolic_specs(dynamic, leaves_with_path,
-                            _spec_for(polymorphic_shapes, static_argnums, n_args),
-                            polymorphic_shapes, constraints)
+    declared = declared_specs(static, dynamic, static_argnums, polymorphic_shapes, constraints)
 
     def flat_fn(*dyn: Any) -> Any:
         return fun(*merge_args(static_argnums, static, dyn))
 
-    traced = trace(flat_fn, *specs)
+    traced = trace(flat_fn, *declared.specs)
     graph = build_graph(traced.closed_jaxpr)
     domain = ShapeDomain.from_constraints(traced.symbols, traced.constraints or constraints)
     dyn_positions = [i for i in range(n_args) if i not in static_argnums]
@@ -164,9 +198,8 @@ def analyze_specs(fun: Callable[..., Any], static: tuple[Any, ...], dynamic: tup
     offload = offload_by_default(backend) if offload is None else offload
     plans, orders = planner(PlanInputs(traced, graph, domain, donated, symbolic, offload,
                                        costs or costs_for(backend), scheduler))
-    paths = tuple(f"args{jax.tree_util.keystr(p)}" for p, _ in leaves_with_path)
-    return Analysis(flat_fn, tuple(specs), tuple(traced.in_avals), paths, traced, graph, domain,
-                    plans, orders, donated, donate_dynamic, offload)
+    return Analysis(flat_fn, declared.specs, tuple(traced.in_avals), declared.paths, traced,
+                    graph, domain, plans, orders, donated, donate_dynamic, offload)
 
 
 def _symbolic_specs(dynamic: tuple[Any, ...], leaves_with_path: Sequence[Any], poly: Any,
