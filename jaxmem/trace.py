@@ -21,6 +21,18 @@ import numpy as np
 from jaxmem.errors import JaxmemError, ShapeOutOfRangeError, SymbolicTraceError
 from jaxmem.unroll import write_out
 
+#: The note on an error the function raised while traced with symbolic dims: the same
+#: function may trace at every concrete shape (``float(x.shape[1])``, ``jnp.split`` of a
+#: symbolic axis), so ``jaxmem.jit`` then traces each call shape instead.
+SYMBOLIC_NOTE = "(jaxmem: raised while tracing with the symbolic dims {dims})"
+
+
+def failed_symbolically(e: BaseException) -> bool:
+    """Whether ``e`` was raised by tracing a function with symbolic dims."""
+    notes = getattr(e, "__notes__", ())
+    return isinstance(e, SymbolicTraceError) or any(
+        n.startswith(SYMBOLIC_NOTE[:SYMBOLIC_NOTE.index("{")]) for n in notes)
+
 
 @dataclasses.dataclass(frozen=True)
 class Traced:
@@ -108,7 +120,9 @@ def trace(fn: Callable[..., Any], *specs: Any) -> Traced:
     Raises:
         SymbolicTraceError: tracing needs a comparison of dims the constraints do not
             settle (the message names it and the constraint to add), or JAX cannot
-            trace an op with a symbolic size (the message names the dims).
+            trace an op with a symbolic size (the message names the dims). Any other
+            error the function raises passes through, noted (:data:`SYMBOLIC_NOTE`) where
+            the specs have symbolic dims.
     """
     flat, in_tree = jax.tree_util.tree_flatten(specs)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(specs)[0]]
@@ -119,10 +133,13 @@ def trace(fn: Callable[..., Any], *specs: Any) -> Traced:
     except Exception as e:  # JAX raises a plain subclass of core.InconclusiveDimensionOperation
         if type(e).__name__ == "InconclusiveDimensionOperation":
             raise _inconclusive(e) from e
-        unsupported = _unsupported(e, symbols_of(flat)[0])
-        if unsupported is None:
-            raise
-        raise unsupported from e
+        symbols = symbols_of(flat)[0]
+        unsupported = _unsupported(e, symbols)
+        if unsupported is not None:
+            raise unsupported from e
+        if symbols:
+            e.add_note(SYMBOLIC_NOTE.format(dims=", ".join(symbols)))
+        raise
     closed = write_out(closed, flat)
     symbols, constraints = symbols_of(flat)
     return Traced(closed, tuple(flat), in_tree, jax.tree_util.tree_structure(out_shape),

@@ -6,6 +6,7 @@ Oracle: ``jax.jit`` of the same function for the outputs, and XLA's
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import jax
@@ -41,17 +42,27 @@ def length_branch_step(w: jax.Array, x: jax.Array) -> jax.Array:
     return jax.grad(loss)(w)
 
 
+def python_dims_step(w: jax.Array, x: jax.Array) -> jax.Array:
+    """Python arithmetic on a dim's value and ``jnp.split`` of the symbolic axis."""
+    def loss(w: jax.Array) -> jax.Array:
+        h = jnp.tanh(x @ w) / math.sqrt(x.shape[1])
+        first, _ = jnp.split(h * np.arange(x.shape[1])[:, None], 2, axis=1)
+        return (first @ w).sum()
+
+    return jax.grad(loss)(w)
+
+
 def args(b: int, s: int) -> tuple[jax.Array, jax.Array]:
     rng = np.random.default_rng(b * 100 + s)
     w = jnp.asarray(rng.standard_normal((D, D), np.float32) * 0.3)
     return w, jnp.asarray(rng.standard_normal((b, s, D), np.float32))
 
 
-@pytest.mark.parametrize("step", [chunked_step, length_branch_step])
+@pytest.mark.parametrize("step", [chunked_step, length_branch_step, python_dims_step])
 def test_an_untraceable_step_warns_once_and_runs_each_shape_as_jax_jit(step) -> None:
     f = jaxmem.jit(step, polymorphic_shapes=(None, "b, s, 16"),
                    constraints=("b <= 4", "s <= 40"))
-    shapes = [(2, 13), (3, 8), (2, 13), (4, 40)]
+    shapes = [(2, 14), (3, 8), (2, 14), (4, 40)]
     with pytest.warns(jaxmem.JaxmemWarning, match="cannot be traced with its symbolic dims") \
             as caught:
         for b, s in shapes:
@@ -87,6 +98,18 @@ def test_without_polymorphic_shapes_each_shape_is_analysed_as_jax_jit_retraces()
             np.testing.assert_allclose(f(*args(b, s)), jax.jit(chunked_step)(*args(b, s)),
                                        rtol=1e-5, atol=1e-5)
     assert f.cache_info().analyses == 2
+
+
+def test_an_error_at_the_exact_shapes_too_is_the_steps_own_as_with_jax_jit() -> None:
+    f = jaxmem.jit(python_dims_step, polymorphic_shapes=(None, "b, s, 16"),
+                   constraints=("b <= 4", "s <= 40"))
+    with pytest.raises(ValueError, match="equal division") as want:
+        jax.jit(python_dims_step)(*args(2, 13))  # 13 rows do not split in two
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxmem.JaxmemWarning)  # not taken for a dims problem
+        with pytest.raises(type(want.value), match="equal division"):
+            f(*args(2, 13))
+    assert f.cache_info().analyses == 0
 
 
 def test_analyze_still_raises_the_symbolic_trace_error() -> None:

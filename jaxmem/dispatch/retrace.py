@@ -1,11 +1,14 @@
 """Per-shape analyses, where JAX cannot trace a step with its symbolic dims.
 
-``jax.export``'s shape polymorphism refuses what it cannot prove: reshaping
-``s + (-s) % 16`` rows into chunks of 16, or an op without a symbolic rule. ``jax.jit``
-traces each shape anew and runs such a step, so ``jaxmem.jit`` does too: it warns once
-and analyses and plans each call shape on its own (exact shapes, one analysis per shape
-as ``jax.jit`` has one trace per shape). The declared ranges still hold: a call outside
-them is a :class:`~jaxmem.errors.ShapeOutOfRangeError`, as with a symbolic analysis.
+``jax.export``'s shape polymorphism refuses what it cannot prove (reshaping
+``s + (-s) % 16`` rows into chunks of 16, ``jnp.split`` of a symbolic axis, an op
+without a symbolic rule), and Python code may need a dim's value (``float(x.shape[1])``,
+``np.arange(s)``). ``jax.jit`` traces each shape anew and runs such a step, so
+``jaxmem.jit`` does too: where the symbolic trace fails and the call's exact shapes
+trace, it warns once and analyses and plans each call shape on its own (one analysis
+per shape, as ``jax.jit`` has one trace per shape); where the exact shapes fail too, the
+step's own error is raised, as ``jax.jit`` would. The declared ranges still hold: a
+call outside them is a :class:`~jaxmem.errors.ShapeOutOfRangeError`.
 
 Example:
     >>> import jax.numpy as jnp
@@ -31,8 +34,9 @@ import jax
 
 from jaxmem.dispatch.bind import bind_dims
 from jaxmem.dispatch.cache import OnceCache
-from jaxmem.errors import SymbolicTraceError, warn
+from jaxmem.errors import warn
 from jaxmem.plan.analysis import Analysis, declared_specs
+from jaxmem.trace import failed_symbolically
 
 #: ``(static, dynamic, polymorphic_shapes, constraints) -> Analysis``
 Analyze = Callable[[tuple[Any, ...], tuple[Any, ...], Any, tuple[str, ...]], Analysis]
@@ -68,9 +72,20 @@ class ShapeAnalyses:
                 try:
                     return self.made.get_or_make(key, lambda: self.analyze(
                         static, dynamic, self.polymorphic_shapes, self.constraints))
-                except SymbolicTraceError as e:
+                except Exception as e:
+                    if not failed_symbolically(e):
+                        raise
+                    # The step's own error at this concrete shape, if it has one, is the
+                    # one jax.jit would raise; otherwise the symbolic dims were the cause.
+                    analysis = self.concrete(static, dynamic)
                     self.untraceable.add(key)
                     warn_retrace(self.fun, e)
+                    return analysis
+        return self.concrete(static, dynamic)
+
+    def concrete(self, static: tuple[Any, ...], dynamic: tuple[Any, ...]) -> Analysis:
+        """The analysis of the call's exact shapes, within the declared ranges."""
+        if self.polymorphic_shapes is not None:
             check_declared(static, dynamic, self.static_argnums, self.polymorphic_shapes,
                            self.constraints)
         return self.made.get_or_make(analysis_key(static, dynamic, concrete=True),
@@ -99,8 +114,10 @@ def check_declared(static: tuple[Any, ...], dynamic: tuple[Any, ...],
     return bind_dims(declared, dynamic)
 
 
-def warn_retrace(fun: Callable[..., Any], error: SymbolicTraceError) -> None:
+def warn_retrace(fun: Callable[..., Any], error: Exception) -> None:
     """The one warning that a function's analyses are per shape from now on."""
     name = getattr(fun, "__name__", repr(fun))
-    warn(f"jaxmem: {name} cannot be traced with its symbolic dims ({error}) Each call shape "
-         "is analysed and planned on its own instead, as jax.jit traces each shape.")
+    what = str(error).rstrip(".") or type(error).__name__
+    warn(f"jaxmem: {name} cannot be traced with its symbolic dims ({type(error).__name__}: "
+         f"{what}). Each call shape is analysed and planned on its own instead, as jax.jit "
+         "traces each shape.")
