@@ -90,6 +90,17 @@ def test_an_untraceable_step_meets_a_budget_per_shape() -> None:
     assert f.plan_for(*a).peak_bytes <= smallest
 
 
+def test_compile_plans_need_the_symbolic_analysis() -> None:
+    f = jaxmem.jit(chunked_step, polymorphic_shapes=(None, "b, s, 16"),
+                   constraints=("b <= 4", "s <= 40"), budget_bytes=10**7)
+    w, _ = args(2, 8)
+    calls = [(w, jax.ShapeDtypeStruct((2, n, D), jnp.float32)) for n in (8, 13, 20)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jaxmem.JaxmemWarning)
+        with pytest.raises(jaxmem.JaxmemError, match="chunked_step cannot be traced"):
+            f.plan_compiles(calls, pad_dims=("s",))
+
+
 def test_without_polymorphic_shapes_each_shape_is_analysed_as_jax_jit_retraces() -> None:
     f = jaxmem.jit(chunked_step)
     with warnings.catch_warnings():

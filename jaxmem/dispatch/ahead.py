@@ -28,8 +28,8 @@ from jaxmem.dispatch.cache import done_future
 from jaxmem.dispatch.checks import split_args
 from jaxmem.dispatch.costs import CostLog
 from jaxmem.dispatch.store import AnalysisStore
-from jaxmem.errors import BudgetInfeasibleError
-from jaxmem.plan.analysis import Analysis
+from jaxmem.errors import BudgetInfeasibleError, JaxmemError
+from jaxmem.plan.analysis import Analysis, declared_specs
 from jaxmem.plan.compiles import CompilePlan, CompileProblem, Shape, fit_step_model
 from jaxmem.plan.compiles import plan_compiles as optimal_plan
 from jaxmem.plan.offload import costs_for
@@ -107,6 +107,14 @@ def _shape(names: Sequence[str], dims: Mapping[str, int]) -> Shape:
     return tuple(int(dims[n]) for n in names)
 
 
+def _declared_symbols(jitted: Any, call: tuple[Any, ...]) -> tuple[str, ...]:
+    if jitted.polymorphic_shapes is None:
+        return ()
+    static, dynamic = split_args(call, jitted.static_argnums)
+    return declared_specs(static, dynamic, jitted.static_argnums, jitted.polymorphic_shapes,
+                          jitted.constraints).domain.symbols
+
+
 def plan_compiles(jitted: Any, calls: Sequence[tuple[Any, ...]], pad_dims: Sequence[str],
                   made: Sequence[Mapping[str, int]], store: AnalysisStore) -> CompilePlan:
     """The compile plan of a :class:`~jaxmem.Jitted` for announced ``calls``.
@@ -128,10 +136,17 @@ def plan_compiles(jitted: Any, calls: Sequence[tuple[Any, ...]], pad_dims: Seque
     Raises:
         ShapeOutOfRangeError: a call outside the declared ranges.
         ValueError: ``pad_dims`` names a dim the function does not have.
+        JaxmemError: the function has symbolic dims but is analysed per shape
+            (:mod:`jaxmem.dispatch.retrace`), so no model prices a padded call.
     """
     if not calls:
         return CompilePlan((), {}, (), 0.0, 0.0, 0.0)
     analysis = jitted.analysis(*calls[0])
+    if not analysis.domain.symbols and _declared_symbols(jitted, calls[0]):
+        name = getattr(jitted.fun, "__name__", "the function")
+        raise JaxmemError(f"plan_compiles needs a symbolic analysis, but {name} cannot be "
+                          "traced with its symbolic dims (see the JaxmemWarning); each call "
+                          "shape is analysed and compiled when it is first called")
     dims = [bind_dims(analysis, split_args(c, jitted.static_argnums)[1]) for c in calls]
     if jitted.costs.writer is None:
         store.read_costs(analysis, jitted.budget_bytes, jitted.costs)
