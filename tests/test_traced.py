@@ -1,5 +1,5 @@
-"""jaxmem.dispatch.traced: ``jaxmem.jit`` under outer transformations, ``eval_shape`` and
-``lower`` as ``jax.jit`` has them."""
+"""jaxmem.dispatch.traced: ``jaxmem.jit`` under outer transformations, ``eval_shape``,
+``trace``, ``lower`` and ``clear_cache`` as ``jax.jit`` has them."""
 
 from __future__ import annotations
 
@@ -59,6 +59,27 @@ def test_eval_shape_is_jax_jits_and_compiles_nothing() -> None:
     got = f.eval_shape(ws, x[:7], scale)
     assert got == jax.jit(_step, static_argnums=(2,)).eval_shape(ws, x[:7], scale)
     assert f.compiles == 0
+
+
+def test_trace_is_jax_jits_and_plans_nothing() -> None:
+    ws, x, scale = _args()
+    f = _jitted()
+    got = f.trace(ws, x[:7], scale)
+    want = jax.jit(_step, static_argnums=(2,)).trace(ws, x[:7], scale)
+    assert str(got.jaxpr) == str(want.jaxpr)
+    assert f.cache_info().plans == 0
+
+
+def test_clear_cache_drops_the_executables_and_the_next_call_compiles_again() -> None:
+    ws, x, scale = _args()
+    f = _jitted()
+    want = f(ws, x[:5], scale)
+    f(ws, x[:6], scale)
+    assert f.compiles == 2 and f.cache_info().analyses == 1
+    f.clear_cache()
+    assert f.compiles == 0 and f.cache_info().plans == 0
+    _close(f(ws, x[:5], scale), want)  # the fast path holds nothing stale
+    assert f.compiles == 1 and f.cache_info().analyses == 1  # the analysis is kept
 
 
 def test_lower_compiles_to_the_executable_a_call_runs() -> None:

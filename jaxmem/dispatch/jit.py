@@ -32,25 +32,21 @@ from typing import Any
 
 import jax
 
+from jaxmem.dispatch import checks
 from jaxmem.dispatch.ahead import CompilePool, CostLog, plan_compiles
 from jaxmem.dispatch.bind import bind_dims
 from jaxmem.dispatch.cache import CacheInfo, OnceCache
-from jaxmem.dispatch.checks import (
-    call_key,
-    check_argnums,
-    check_budget,
-    check_cache_dir,
-    check_choices,
-    check_constraints,
-    check_shapes,
-    consumed,
-    donated_positions,
-    is_resource_exhausted,
-    split_args,
-)
 from jaxmem.dispatch.fastpath import key_reader
 from jaxmem.dispatch.keywords import KeywordCalls, check_argnames, routes_keywords
-from jaxmem.dispatch.plan import Plan, infeasible, make_plan, no_retry_fits, unrepeatable
+from jaxmem.dispatch.plan import (
+    Plan,
+    infeasible,
+    lower_verified,
+    make_plan,
+    microbatch_hook,
+    no_retry_fits,
+    unrepeatable,
+)
 from jaxmem.dispatch.retrace import ShapeAnalyses
 from jaxmem.dispatch.store import AnalysisStore
 from jaxmem.dispatch.traced import PlannedLowered, as_jax_jit, has_tracer
@@ -60,7 +56,7 @@ from jaxmem.plan.analysis import Analysis, analyze_specs, arg_shardings, local_d
 from jaxmem.plan.compiles import CompilePlan
 from jaxmem.plan.levels import PlanSet
 from jaxmem.plan.offload import Costs
-from jaxmem.plan.select import MicrobatchFn, select_level
+from jaxmem.plan.select import select_level
 from jaxmem.schedulers import MemoryAware, Scheduler
 
 #: On a run-time out-of-memory error jaxmem re-plans with the failed plan's XLA peak
@@ -90,23 +86,23 @@ class Jitted:
                  cache_dir: str | os.PathLike[str] | None = None):
         if not callable(fun):
             raise TypeError(f"jaxmem.jit expects a callable, got {type(fun).__name__}")
-        check_choices(scheduler, offload, offload_costs)
+        checks.check_choices(scheduler, offload, offload_costs)
         self.fun = fun
-        self.polymorphic_shapes = check_shapes(polymorphic_shapes)
-        self.constraints = check_constraints(constraints)
-        self.budget_bytes = check_budget(budget_bytes)
+        self.polymorphic_shapes = checks.check_shapes(polymorphic_shapes)
+        self.constraints = checks.check_constraints(constraints)
+        self.budget_bytes = checks.check_budget(budget_bytes)
         self.scheduler = scheduler if scheduler is not None else MemoryAware()
         self._axis = getattr(self.scheduler, "axis", "b")  # the dim microbatching splits
-        self.donate_argnums = donated_positions(
-            fun, check_argnums("donate_argnums", donate_argnums), donate_argnames)
-        self.static_argnums = check_argnums("static_argnums", static_argnums)
+        self.donate_argnums = checks.donated_positions(
+            fun, checks.check_argnums("donate_argnums", donate_argnums), donate_argnames)
+        self.static_argnums = checks.check_argnums("static_argnums", static_argnums)
         self.static_argnames = check_argnames(static_argnames)
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
         self.symbolic = symbolic
         self.offload = offload
         self.offload_costs = offload_costs
-        self.cache_dir = check_cache_dir(cache_dir)
+        self.cache_dir = checks.check_cache_dir(cache_dir)
         self._store = AnalysisStore(self.cache_dir)  # shared by with_budget, like _analyses
         self._analyses = ShapeAnalyses(fun, self.polymorphic_shapes, self.constraints,
                                        self.static_argnums, self._analyze)
@@ -190,7 +186,7 @@ class Jitted:
         """Makes calls shaped like ``args`` run ``plan`` (one from :meth:`compile_level`, or
         one whose executable is wrapped, e.g. to inject a fault in a test)."""
         static, dynamic = self._split(args)
-        key = call_key(static, dynamic)
+        key = checks.call_key(static, dynamic)
         with self._lock:
             self._plans.put(key, plan)
             self._fast.clear()
@@ -216,7 +212,7 @@ class Jitted:
     # --- planning -------------------------------------------------------------------------
 
     def _split(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        return split_args(args, self.static_argnums)
+        return checks.split_args(args, self.static_argnums)
 
     def _analyze(self, static: tuple[Any, ...], dynamic: tuple[Any, ...], shapes: Any,
                  constraints: tuple[str, ...]) -> Analysis:
@@ -237,12 +233,24 @@ class Jitted:
             BudgetInfeasibleError: no plan fits the budget.
         """
         static, dynamic = self._split(args)
-        key = call_key(static, dynamic)
+        key = checks.call_key(static, dynamic)
         return self._plans.get_or_make(key, lambda: self._make_plan(static, dynamic))
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The outputs' ``jax.ShapeDtypeStruct``s, as ``jax.jit``'s: nothing is compiled."""
         return as_jax_jit(self.fun, self._settings()).eval_shape(*args, **kwargs)
+
+    def trace(self, *args: Any, **kwargs: Any) -> Any:
+        """``jax.jit``'s ``jax.stages.Traced`` of the function: nothing is planned."""
+        return as_jax_jit(self.fun, self._settings()).trace(*args, **kwargs)
+
+    def clear_cache(self) -> None:
+        """Drops the plans and their executables, as ``jax.jit``'s does: the next call of
+        each shape compiles again. The analyses stay (they hold no device memory)."""
+        with self._lock:
+            self._plans, self._fast = OnceCache(), {}
+        for k in self._keyword.made.values():
+            k.clear_cache()
 
     @routes_keywords()
     def lower(self, *args: Any) -> Any:
@@ -266,36 +274,21 @@ class Jitted:
         made: dict[tuple[int, int], Executable] = {}
 
         def compile(k: int, microbatches: int) -> int:
-            made[(k, microbatches)] = self._lower(analysis, k, dims, dynamic, microbatches)
+            made[(k, microbatches)] = lower_verified(
+                analysis, k, dims, dynamic, self._options(analysis), microbatches, self._axis,
+                getattr(self.scheduler, "verify_with_xla", False))
             return made[(k, microbatches)].peak_bytes
 
         start = time.perf_counter()
         selection = select_level(analysis.plans, local, budget, compile, skip=skip,
-                                 microbatches=self._microbatch_hook(dims, budget))
+                                 microbatches=microbatch_hook(self.scheduler, self._axis,
+                                                              dims, budget))
         self.costs.record_compile(dims, time.perf_counter() - start)
         if selection.level is None:
             raise infeasible(analysis, selection, dims)
         exe = made[(selection.level, selection.microbatches)]
         return make_plan(analysis, exe, dims, budget, self.static_argnums, selection.why,
                          selection)
-
-    def _lower(self, analysis: Analysis, k: int, dims: dict[str, int],
-               dynamic: tuple[Any, ...], microbatches: int) -> Executable:
-        """Level ``k`` compiled; a heuristic op order is kept only if XLA's peak is lower."""
-        options, axis = self._options(analysis), self._axis
-        exe = lower_level(analysis, k, dims, dynamic, options, True, microbatches, axis)
-        if exe.order_enforced and getattr(self.scheduler, "verify_with_xla", False):
-            free = lower_level(analysis, k, dims, dynamic, options, False, microbatches, axis)
-            exe = exe if exe.peak_bytes < free.peak_bytes else free
-        return exe
-
-    def _microbatch_hook(self, dims: dict[str, int], budget: int | None) -> MicrobatchFn | None:
-        """The scheduler's ``microbatches`` hook at ``dims``, where it could split the batch."""
-        if budget is None or type(self.scheduler).microbatches is Scheduler.microbatches:
-            return None
-        if dims.get(self._axis, 1) <= 1:
-            return None
-        return lambda fits: self.scheduler.microbatches(dict(dims), fits)
 
     # --- calls ----------------------------------------------------------------------------
 
@@ -318,7 +311,7 @@ class Jitted:
             except TypeError:
                 pass  # a fixed leaf differs; the slow path validates and explains
             except jax.errors.JaxRuntimeError as e:
-                if not is_resource_exhausted(e):
+                if not checks.is_resource_exhausted(e):
                     raise
                 return self._retry(plan, args, e)
         if has_tracer(args):  # inside an outer transformation: jax.jit's call, inlined
@@ -327,7 +320,7 @@ class Jitted:
         try:
             out = plan.run(*args)
         except jax.errors.JaxRuntimeError as e:
-            if not is_resource_exhausted(e):
+            if not checks.is_resource_exhausted(e):
                 raise
             return self._retry(plan, args, e)
         self._remember(args, plan)
@@ -353,12 +346,12 @@ class Jitted:
         A call that failed before it ran leaves donated inputs intact; if XLA had
         already consumed one, the step cannot be repeated and jaxmem says so.
         """
-        gone = consumed(args, self.donate_argnums)
+        gone = checks.consumed(args, self.donate_argnums)
         if gone:
             raise unrepeatable(failed, gone) from err
         budget = max(1, int(failed.peak_bytes * RETRY_BUDGET_FACTOR))
         static, dynamic = self._split(args)
-        key = call_key(static, dynamic)
+        key = checks.call_key(static, dynamic)
         with self._lock:
             try:
                 plan = self._make_plan(static, dynamic, budget, skip=frozenset({failed.level}))

@@ -14,9 +14,10 @@ from typing import Any
 
 from jaxmem.errors import BudgetInfeasibleError, JaxmemError
 from jaxmem.graph.types import reruns
-from jaxmem.lower import Executable
+from jaxmem.lower import CompileOptions, Executable, lower_level
 from jaxmem.plan.analysis import Analysis
-from jaxmem.plan.select import Selection
+from jaxmem.plan.select import MicrobatchFn, Selection
+from jaxmem.schedulers import Scheduler
 from jaxmem.units import human_bytes
 
 
@@ -120,6 +121,28 @@ def make_plan(analysis: Analysis, exe: Executable, dims: dict[str, int],
                 exe.order_enforced, static_argnums, why, exe.microbatches, level.offload,
                 analysis.offload_planned, selection,
                 own_remat=reruns(analysis.plans.levels[0].graph))
+
+
+def lower_verified(analysis: Analysis, k: int, dims: dict[str, int], dynamic: tuple[Any, ...],
+                   options: CompileOptions, microbatches: int, axis: str, verify: bool
+                   ) -> Executable:
+    """Level ``k`` compiled; with ``verify`` (a scheduler's ``verify_with_xla``) a
+    heuristic op order is kept only if XLA's peak is lower than without it."""
+    exe = lower_level(analysis, k, dims, dynamic, options, True, microbatches, axis)
+    if exe.order_enforced and verify:
+        free = lower_level(analysis, k, dims, dynamic, options, False, microbatches, axis)
+        exe = exe if exe.peak_bytes < free.peak_bytes else free
+    return exe
+
+
+def microbatch_hook(scheduler: Scheduler, axis: str, dims: dict[str, int],
+                    budget: int | None) -> MicrobatchFn | None:
+    """The scheduler's ``microbatches`` hook at ``dims``, where it could split the batch."""
+    if budget is None or type(scheduler).microbatches is Scheduler.microbatches:
+        return None
+    if dims.get(axis, 1) <= 1:
+        return None
+    return lambda fits: scheduler.microbatches(dict(dims), fits)
 
 
 def infeasible(analysis: Analysis, selection: Selection, dims: dict[str, int]
