@@ -99,13 +99,14 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     widened, bits, sizes, narrow = _sizes(graph, order, owner, used, backend, library)
     size = lambda v: sizes.get(v, graph.values[v].nbytes)  # noqa: E731
     duplicated = duplicated_bias_adds(graph, owner, used) if backend == "cpu" else {}
-    srcs, copied = _buffer_sources(graph, owner, duplicated), set[tuple[int, int]]()
+    held = frozenset(n for c in library.columns for n in c.prologue) if duplicated else frozenset()
+    srcs, copied = _buffer_sources(graph, owner, duplicated, held), set[tuple[int, int]]()
     upcast = frozenset(upcast_dots(graph, backend))
     copies = transposed_copies(graph, order, owner, size, copied, used, pairs, upcast)
     base, copied = copied_early(graph, order, owner, used, copies, copied, upcast)
     convs = conv_copies(graph, order, size, copied)
     first_def, last_use = _definitions_and_uses(graph, order, owner, srcs, used, copied,
-                                                backend, duplicated)
+                                                backend, duplicated, held)
     loops, ends = widened_loop_operands(graph, order, backend)
     _read_by_copies(graph, (*copies, *convs), ends, narrow, base, srcs, owner, last_use)
     outputs = _output_buffers(graph, order, owner, first_def)
@@ -196,7 +197,8 @@ def _copy_reads(graph: Graph, x: Extra, base: dict[int, int],
 
 
 def _buffer_sources(graph: Graph, owner: dict[int, int],
-                    duplicated: dict[int, tuple[int, ...]]) -> Callable[[int], frozenset[int]]:
+                    duplicated: dict[int, tuple[int, ...]], held: frozenset[int]
+                    ) -> Callable[[int], frozenset[int]]:
     """Buffers a value is read from: XLA recomputes a fused value from its sources' buffers."""
     nodes, producers = graph.nodes, graph.producers
     sources: dict[int, frozenset[int]] = {}
@@ -209,7 +211,7 @@ def _buffer_sources(graph: Graph, owner: dict[int, int],
             res = frozenset([o])
         else:
             n = nodes[producers[v]]
-            res = frozenset().union(*[srcs(i) for i in reads(n, duplicated)])
+            res = frozenset().union(*[srcs(i) for i in reads(n, duplicated, held)])
         sources[v] = res
         return res
 
@@ -219,7 +221,7 @@ def _buffer_sources(graph: Graph, owner: dict[int, int],
 def _definitions_and_uses(graph: Graph, order: Sequence[int], owner: dict[int, int],
                           srcs: Callable[[int], frozenset[int]], used: Sequence[bool],
                           copied: set[tuple[int, int]], backend: str,
-                          duplicated: dict[int, tuple[int, ...]]
+                          duplicated: dict[int, tuple[int, ...]], held: frozenset[int]
                           ) -> tuple[dict[int, int], dict[int, int]]:
     """Where XLA allocates each buffer (its first writer) and frees it (after its last
     reader); dead code neither writes nor reads, a dot reading an operand through its
@@ -233,7 +235,7 @@ def _definitions_and_uses(graph: Graph, order: Sequence[int], owner: dict[int, i
         n = nodes[ni]
         if not used[ni]:
             continue  # dead code: XLA removes it
-        for i in reads(n, duplicated):
+        for i in reads(n, duplicated, held):
             o = owner.get(i, i)
             if o != -1:  # a buffer of its own (or a view of one): read in place
                 if (ni, o) not in copied and (ni, i) not in copied:

@@ -136,7 +136,9 @@ def duplicated_bias_adds(graph: Graph, owner: dict[int, int], used: Sequence[boo
     BatchNorm's batch statistics) or a rebuild's barrier still reads it from a buffer of
     its own: the dot's result then lives until the last element-wise reader (measured: a
     BatchNorm MLP's ``Dense`` output read by the backward pass's ``mul``, three
-    ``[rows, 4d]`` buffers a layer where the model had two, -20 to -30 %). So is a float32
+    ``[rows, 4d]`` buffers a layer where the model had two, -20 to -30 %). So does a YNN
+    column sum's prologue (:func:`reads`' ``held``: a BatchNorm's ``x - mean`` read by its
+    scale's gradient, ``broadcast_subtract_fusion``, lives into the backward pass). So is a float32
     convert's (a LayerNorm's ``x - mean`` of a bf16 residual stream: the float32 stream
     lives into the norm's gradient; the small bf16 GPT at (8, 256): -6.2 -> -2.3 %). Float32 only:
     XLA's CPU backend keeps a 16-bit add's rounded result for its readers
@@ -171,10 +173,13 @@ def _widening(graph: Graph, node: Node) -> bool:
             and graph.values[node.inputs[0]].dtype in ("bfloat16", "float16"))
 
 
-def reads(node: Node, duplicated: dict[int, tuple[int, ...]]) -> Sequence[int]:
+def reads(node: Node, duplicated: dict[int, tuple[int, ...]],
+          held: frozenset[int] = frozenset()) -> Sequence[int]:
     """The values element-wise ``node`` reads, with each :func:`duplicated_bias_adds` value
-    replaced by its operands (any other node reads its inputs). Runs per node in every
-    memory model: the common case hands back ``node.inputs`` uncopied."""
-    if not duplicated or node.kind != "elementwise":
+    replaced by its operands (any other node reads its inputs, and so do the ``held``
+    nodes: a YNN column sum's prologue reads a bias add from its buffer, as YNN does
+    not broadcast). Runs per node in every memory model: the common case hands back
+    ``node.inputs`` uncopied."""
+    if not duplicated or node.kind != "elementwise" or node.index in held:
         return node.inputs
     return [x for i in node.inputs for x in duplicated.get(i, (i,))]
