@@ -98,8 +98,7 @@ def liveness(graph: Graph, order: Sequence[int] | None = None,
     owner = library_owner(graph, used, library) if owner is None else owner
     widened, bits, sizes, narrow = _sizes(graph, order, owner, used, backend, library)
     size = lambda v: sizes.get(v, graph.values[v].nbytes)  # noqa: E731
-    duplicated = duplicated_bias_adds(graph, owner, used) if backend == "cpu" else {}
-    held = frozenset(n for c in library.columns for n in c.prologue) if duplicated else frozenset()
+    duplicated, held = _duplicated(graph, owner, used, backend, library)
     srcs, copied = _buffer_sources(graph, owner, duplicated, held), set[tuple[int, int]]()
     upcast = frozenset(upcast_dots(graph, backend))
     copies = transposed_copies(graph, order, owner, size, copied, used, pairs, upcast)
@@ -194,6 +193,16 @@ def _copy_reads(graph: Graph, x: Extra, base: dict[int, int],
             and len(distinct_full_operands(graph, node.inputs, size)) > 1):
         return frozenset((v,))
     return sources
+
+
+def _duplicated(graph: Graph, owner: dict[int, int], used: Sequence[bool], backend: str,
+                library: Library) -> tuple[dict[int, tuple[int, ...]], frozenset[int]]:
+    """:func:`duplicated_bias_adds` on XLA's CPU, and the element-wise nodes that read them
+    from their buffers all the same (the YNN column sums' prologues)."""
+    duplicated = duplicated_bias_adds(graph, owner, used) if backend == "cpu" else {}
+    if not duplicated:
+        return duplicated, frozenset()
+    return duplicated, frozenset(n for c in library.columns for n in c.prologue)
 
 
 def _buffer_sources(graph: Graph, owner: dict[int, int],
