@@ -315,7 +315,7 @@ def test_bf16_linen_decoder_level_0_within_six_percent(dims) -> None:
     # Flax's attention with dtype=bfloat16: its softmax's exp was a float32 buffer in
     # the model (+13.6 / +8.5 % at these shapes), XLA keeps it bfloat16. Since session
     # 43 the model also holds the five float32 LayerNorm scale broadcasts XLA keeps here
-    # (counted in its HLO: `ynn.shared_row_broadcasts`), and level 0 reads +4.2 / +5.3 %
+    # (counted in its HLO: `ynn_operands.shared_row_broadcasts`), and level 0 reads +4.2 / +5.3 %
     # (-0.1 / -0.1 % before): some other buffer of the model stood for them (not found).
     assert abs(level_error(small_linen_bf16(), 0, dims)) <= 0.06
 

@@ -48,7 +48,8 @@ from jaxmem.memory.reductions import (
     reduction_fusions,
     reduction_roots,
 )
-from jaxmem.memory.ynn import RowFusion, centred_values, row_fusion_extras, row_fusions
+from jaxmem.memory.ynn import RowFusion, centred_values, row_fusions
+from jaxmem.memory.ynn_operands import row_fusion_extras
 
 
 class ColumnSum(NamedTuple):
@@ -194,7 +195,7 @@ def library_owner(graph: Graph, used: Sequence[bool], library: Library) -> dict[
 def library_extras(graph: Graph, order: Sequence[int], used: Sequence[bool], backend: str,
                    library: Library) -> list[Extra]:
     """The buffers the library's fusions add: its row sums'
-    (:func:`~jaxmem.memory.ynn.row_fusion_extras`) and :func:`column_broadcasts`."""
+    (:func:`~jaxmem.memory.ynn_operands.row_fusion_extras`) and :func:`column_broadcasts`."""
     prologues = frozenset(k for f in library.rows for n in f[3]
                           for k in constant_operands(graph, graph.nodes[n]))
     # Both rules read the constants' readers: found once (a pass over every op).
