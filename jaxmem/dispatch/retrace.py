@@ -75,12 +75,14 @@ class ShapeAnalyses:
                 except Exception as e:
                     if not failed_symbolically(e):
                         raise
-                    # The step's own error at this concrete shape, if it has one, is the
-                    # one jax.jit would raise; otherwise the symbolic dims were the cause.
-                    analysis = self.concrete(static, dynamic)
-                    self.untraceable.add(key)
-                    warn_retrace(self.fun, e)
-                    return analysis
+                    failure = e
+                # The step's own error at this concrete shape, if it has one, is the one
+                # jax.jit would raise (outside the handler: not chained to the symbolic
+                # one); otherwise the symbolic dims were the cause.
+                analysis = self.concrete(static, dynamic)
+                self.untraceable.add(key)
+                warn_retrace(self.fun, failure)
+                return analysis
         return self.concrete(static, dynamic)
 
     def concrete(self, static: tuple[Any, ...], dynamic: tuple[Any, ...]) -> Analysis:
