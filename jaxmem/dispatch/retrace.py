@@ -119,7 +119,7 @@ def check_declared(static: tuple[Any, ...], dynamic: tuple[Any, ...],
 def warn_retrace(fun: Callable[..., Any], error: Exception) -> None:
     """The one warning that a function's analyses are per shape from now on."""
     name = getattr(fun, "__name__", repr(fun))
-    what = str(error).rstrip(".") or type(error).__name__
+    what = (str(error).strip().splitlines() or [""])[0].rstrip(".")  # JAX's can run long
     warn(f"jaxmem: {name} cannot be traced with its symbolic dims ({type(error).__name__}: "
          f"{what}). Each call shape is analysed and planned on its own instead, as jax.jit "
          "traces each shape.")
