@@ -24,14 +24,14 @@ from jaxmem.unroll import write_out
 #: The note on an error the function raised while traced with symbolic dims: the same
 #: function may trace at every concrete shape (``float(x.shape[1])``, ``jnp.split`` of a
 #: symbolic axis), so ``jaxmem.jit`` then traces each call shape instead.
-SYMBOLIC_NOTE = "(jaxmem: raised while tracing with the symbolic dims {dims})"
+SYMBOLIC_NOTE = "(jaxmem: raised while tracing with the symbolic dims"
 
 
 def failed_symbolically(e: BaseException) -> bool:
     """Whether ``e`` was raised by tracing a function with symbolic dims."""
     notes = getattr(e, "__notes__", ())
     return isinstance(e, SymbolicTraceError) or any(
-        n.startswith(SYMBOLIC_NOTE[:SYMBOLIC_NOTE.index("{")]) for n in notes)
+        n.startswith(SYMBOLIC_NOTE) for n in notes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +138,7 @@ def trace(fn: Callable[..., Any], *specs: Any) -> Traced:
         if unsupported is not None:
             raise unsupported from e
         if symbols:
-            e.add_note(SYMBOLIC_NOTE.format(dims=", ".join(symbols)))
+            e.add_note(f"{SYMBOLIC_NOTE} {', '.join(symbols)})")
         raise
     closed = write_out(closed, flat)
     symbols, constraints = symbols_of(flat)

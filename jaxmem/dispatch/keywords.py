@@ -128,12 +128,15 @@ class KeywordCalls:
                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``args`` extended by the keyword arguments that name the next parameters with
         ``polymorphic_shapes`` entries, and the keyword arguments left."""
+        names = []
         for name in self.shaped[len(args):]:
             if name not in kwargs:
                 break
-            kwargs = dict(kwargs)
-            args = (*args, kwargs.pop(name))
-        return args, kwargs
+            names.append(name)
+        if not names:
+            return args, kwargs
+        return (*args, *(kwargs[n] for n in names)), {
+            k: v for k, v in kwargs.items() if k not in names}
 
     def route(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, tuple]:
         """The jitted function that runs ``fun(*args, **kwargs)``, and its arguments."""
@@ -160,8 +163,9 @@ def routes_keywords(lead: int = 0) -> Callable[[Callable[..., Any]], Callable[..
         @functools.wraps(method)
         def route(self: Any, *args: Any, **kwargs: Any) -> Any:
             mine = {k: kwargs.pop(k) for k in own & kwargs.keys()}
-            tail, kwargs = self._keyword.promote(args[lead:], kwargs)
-            args = (*args[:lead], *tail)
+            if kwargs:
+                tail, kwargs = self._keyword.promote(args[lead:], kwargs)
+                args = (*args[:lead], *tail)
             if not kwargs:
                 return method(self, *args, **mine)
             inner, pos = self._keyword.route(args[lead:], kwargs)

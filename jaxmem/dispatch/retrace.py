@@ -12,8 +12,8 @@ call outside them is a :class:`~jaxmem.errors.ShapeOutOfRangeError`.
 
 Example:
     >>> import jax.numpy as jnp
-    >>> analysis_key((), (jnp.ones((4, 3)),), concrete=True)[-1]
-    (((4, 3), 'float32'),)
+    >>> analysis_key((), (jnp.ones((4, 3)),))[-1]
+    ((2, 'float32'),)
     >>> import jaxmem, warnings
     >>> def chunks(x):  # rows padded to a multiple of 4: jax.export cannot divide s + (-s) % 4
     ...     return jnp.pad(x, ((0, (-x.shape[0]) % 4), (0, 0))).reshape(-1, 4, 2).sum()
@@ -34,6 +34,7 @@ import jax
 
 from jaxmem.dispatch.bind import bind_dims
 from jaxmem.dispatch.cache import OnceCache
+from jaxmem.dispatch.checks import call_key
 from jaxmem.errors import warn
 from jaxmem.plan.analysis import Analysis, declared_specs
 from jaxmem.trace import failed_symbolically
@@ -67,7 +68,7 @@ class ShapeAnalyses:
     def get(self, static: tuple[Any, ...], dynamic: tuple[Any, ...]) -> Analysis:
         """The analysis of a call, made once."""
         if self.polymorphic_shapes is not None:
-            key = analysis_key(static, dynamic, concrete=False)
+            key = analysis_key(static, dynamic)
             if key not in self.untraceable:
                 try:
                     return self.made.get_or_make(key, lambda: self.analyze(
@@ -90,18 +91,16 @@ class ShapeAnalyses:
         if self.polymorphic_shapes is not None:
             check_declared(static, dynamic, self.static_argnums, self.polymorphic_shapes,
                            self.constraints)
-        return self.made.get_or_make(analysis_key(static, dynamic, concrete=True),
+        return self.made.get_or_make(call_key(static, dynamic),  # the exact shapes
                                      lambda: self.analyze(static, dynamic, None, ()))
 
 
-def analysis_key(static: tuple[Any, ...], dynamic: tuple[Any, ...], concrete: bool
-                 ) -> Hashable:
-    """What one analysis serves: the tree, static values and leaf ranks and dtypes, or
-    with ``concrete`` the leaves' whole shapes."""
+def analysis_key(static: tuple[Any, ...], dynamic: tuple[Any, ...]) -> Hashable:
+    """What one symbolic analysis serves: the tree, static values, leaf ranks and dtypes
+    (a per-shape analysis is keyed by :func:`~jaxmem.dispatch.checks.call_key`)."""
     flat, tree = jax.tree_util.tree_flatten(dynamic)
-    leaves = tuple((tuple(getattr(x, "shape", ())) if concrete else len(getattr(x, "shape", ())),
-                    str(getattr(x, "dtype", ""))) for x in flat)
-    return tree, static, concrete, leaves
+    return tree, static, tuple((len(getattr(x, "shape", ())), str(getattr(x, "dtype", "")))
+                               for x in flat)
 
 
 def check_declared(static: tuple[Any, ...], dynamic: tuple[Any, ...],

@@ -190,7 +190,7 @@ def analyze_specs(fun: Callable[..., Any], static: tuple[Any, ...], dynamic: tup
 
     traced = trace(flat_fn, *declared.specs)
     graph = build_graph(traced.closed_jaxpr)
-    domain = ShapeDomain.from_constraints(traced.symbols, traced.constraints or constraints)
+    domain = declared.domain  # the trace's symbols and constraints are the specs'
     dyn_positions = [i for i in range(n_args) if i not in static_argnums]
     donate_dynamic = tuple(dyn_positions.index(i) for i in donate_argnums if i in dyn_positions)
     donated = _flat_indices(dynamic, donate_dynamic)
